@@ -1,0 +1,60 @@
+"""PyTorch DistributedDataParallel: the reference every other implementation is checked against."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from implementations._common import accumulate, autocast, full_parameters_of, grad_scaler, maybe
+from zbench.measure.state import module_state_bytes
+from zbench.protocol import Capabilities, MicroBatch, TrainSpec
+
+
+class DDPEngine:
+    """Replicated parameters, gradients and optimizer state; gradients all-reduced in buckets during backward."""
+
+    def __init__(self, model: nn.Module, spec: TrainSpec, group) -> None:
+        self.spec = spec
+        self.module = model
+        device_ids = [spec.device.index] if spec.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(model, process_group=group, device_ids=device_ids)
+        self.optimizer = spec.make_optimizer(model.parameters())
+        self.scaler = grad_scaler(spec)
+
+    def _forward_backward(self, batch: MicroBatch, is_last: bool, n: int) -> torch.Tensor:
+        with maybe(None if is_last else self.ddp.no_sync()):
+            with autocast(self.spec):
+                loss = self.ddp(*batch)
+            self.scaler.scale(loss / n).backward()
+        return loss
+
+    def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = accumulate(micro_batches, lambda b, last: self._forward_backward(b, last, len(micro_batches)))
+        if self.spec.grad_clip is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.spec.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return full_parameters_of(self.module)
+
+    def state_bytes(self) -> dict[str, dict[str, int]]:
+        return module_state_bytes(self.module.parameters(), self.optimizer, compute_device=self.spec.device)
+
+    def metrics(self) -> dict[str, float]:
+        return {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}
+
+
+class DDP:
+    name = "ddp"
+    capabilities = Capabilities(stages=frozenset({0}), precisions=frozenset({"fp32", "bf16", "fp16"}))
+
+    def build(self, model: nn.Module, spec: TrainSpec, group) -> DDPEngine:
+        return DDPEngine(model, spec, group)
+
+
+IMPLEMENTATION = DDP()

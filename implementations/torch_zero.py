@@ -1,0 +1,35 @@
+"""PyTorch's ZeroRedundancyOptimizer over DDP: ZeRO stage 1 (optimizer state sharded, gradients all-reduced)."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from implementations.ddp import DDPEngine
+from zbench.measure.state import module_state_bytes, optimizer_tensors, tensor_bytes
+from zbench.protocol import Capabilities, TrainSpec
+
+
+class TorchZeroEngine(DDPEngine):
+    """DDP's training loop with the optimizer swapped for ``ZeroRedundancyOptimizer``."""
+
+    def __init__(self, model: nn.Module, spec: TrainSpec, group) -> None:
+        super().__init__(model, spec, group)
+        cls, kwargs = spec.optimizer_class_and_kwargs()
+        self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, process_group=group, **kwargs)
+
+    def state_bytes(self) -> dict[str, dict[str, int]]:
+        out = module_state_bytes(self.module.parameters(), self.optimizer.optim, compute_device=self.spec.device)
+        out["optimizer_state"] = tensor_bytes(optimizer_tensors(self.optimizer.optim), compute_device=self.spec.device)
+        return out
+
+
+class TorchZero:
+    name = "torch_zero"
+    capabilities = Capabilities(stages=frozenset({1}), precisions=frozenset({"fp32", "bf16"}))
+
+    def build(self, model: nn.Module, spec: TrainSpec, group) -> TorchZeroEngine:
+        return TorchZeroEngine(model, spec, group)
+
+
+IMPLEMENTATION = TorchZero()

@@ -1,0 +1,3 @@
+"""zbench: benchmark and regression harness for ZeRO implementations."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from zbench.cli import main
+
+main()

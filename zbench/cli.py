@@ -1,0 +1,178 @@
+"""The ``zbench`` command line: parsing and exit codes only (0 ok, 1 a check failed, 2 bad input)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import click
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from zbench.errors import UsageError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Benchmark and regression-test ZeRO implementations against DDP: "
+                       "loss equivalence, step time, memory, reports.")
+
+ResultsOpt = Annotated[Path, typer.Option("--results", help="Directory that holds one sub-directory per run.")]
+ReportOpt = Annotated[Path, typer.Option("--report", help="Directory the HTML report (index.html) is written to.")]
+
+
+def _stdout() -> Console:
+    return Console(highlight=False)
+
+
+@app.command()
+def run(
+    suite_file: Annotated[Path, typer.Argument(metavar="SUITE", help="Suite YAML file, e.g. suites/smoke.yaml.")],
+    results: ResultsOpt = Path("results"),
+    report: ReportOpt = Path("reports"),
+    resume: Annotated[Optional[str], typer.Option(help="Run id under --results to complete: cases already stored are not run again.")] = None,
+) -> None:
+    """Run every case of a suite, check each against DDP, store results and render the report.
+
+    Exit code 1 when a case failed (error, oom, timeout) or did not train like DDP.
+    """
+    from zbench import suite as suite_mod
+    from zbench.console import Progress, stderr_console
+    from zbench.report import render
+    from zbench.runner import run_suite
+
+    suite = suite_mod.load(suite_file)
+    result = run_suite(suite, results_root=results, resume=resume, progress=Progress())
+    page = render(result.run, report)
+    err = stderr_console()
+    err.print(f"results: {result.run.path}\nreport:  {page}")
+    if result.failed:
+        err.print(f"[red]{len(result.failed)} case(s) failed or diverged from DDP: "
+                  f"{', '.join(r['case_id'] for r in result.failed)}[/]")
+        raise typer.Exit(1)
+
+
+@app.command()
+def compare(
+    a: Annotated[str, typer.Argument(help="First implementation (name or module:attribute).")],
+    b: Annotated[str, typer.Argument(help="Second implementation.")],
+    gpus: Annotated[Optional[int], typer.Option(help="Run on this many GPUs (NCCL). Bad input if fewer are present.")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    nproc: Annotated[Optional[int], typer.Option(help="Ranks (processes) when not using --gpus; default: all GPUs, or 2 on CPU.")] = None,
+    model: Annotated[str, typer.Option(help="Model preset (see `zbench list`).")] = "tiny",
+    steps: Annotated[int, typer.Option(help="Training steps (first 3 are warm-up).")] = 20,
+    micro_batch: Annotated[int, typer.Option(help="Sequences per rank per step.")] = 4,
+    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16.")] = "fp32",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (with a `cases` list) instead of a table.")] = False,
+    results: ResultsOpt = Path("results"),
+) -> None:
+    """Run two implementations on the same model, data and seed and print them side by side (with DDP as reference)."""
+    from zbench import compare as compare_mod
+
+    if gpus is not None:
+        if nproc is not None or device not in ("auto", "cuda"):
+            raise UsageError("--gpus runs on CUDA; do not combine it with --device cpu or --nproc")
+        device, nproc = "cuda", gpus
+    outcome = compare_mod.run(a, b, device=device, nproc=nproc, model=model, steps=steps, micro_batch=micro_batch,
+                              precision=precision, results=results, quiet=as_json)
+    if as_json:
+        print(json.dumps(outcome.as_json(), indent=1))
+    else:
+        _stdout().print(outcome.table())
+    if outcome.failed:
+        raise typer.Exit(1)
+
+
+@app.command("report")
+def report_cmd(
+    results: Annotated[Path, typer.Argument(help="A results directory (its newest run is shown) or one run's directory.")] = Path("results"),
+    report: ReportOpt = Path("reports"),
+) -> None:
+    """Re-render the HTML report from stored results."""
+    from zbench.report import render
+    from zbench.store import latest_run
+
+    run = latest_run(results)
+    if run is None:
+        raise UsageError(f"{results}: no runs found (expected <dir>/<run-id>/run.json)")
+    page = render(run, report)
+    Console(stderr=True, highlight=False).print(f"report: {page} (run {run.run_id})")
+
+
+@app.command("list")
+def list_cmd(
+    suites: Annotated[Path, typer.Option(help="Where to look for suite files.")] = Path("suites"),
+) -> None:
+    """Implementations, model presets and suites zbench knows."""
+    from implementations import BUILTIN
+    from zbench import registry
+    from zbench.models import PRESETS
+
+    out = _stdout()
+    impls = Table(title="implementations")
+    for col in ("name", "stages", "precisions", "offload", "source"):
+        impls.add_column(col)
+    for name, target in BUILTIN.items():
+        try:
+            caps = registry.resolve(name).capabilities
+            impls.add_row(name, ",".join(map(str, sorted(caps.stages))), ",".join(sorted(caps.precisions)),
+                          ",".join(sorted(caps.offload)), target)
+        except LookupError as exc:
+            impls.add_row(name, "-", "-", "-", f"unavailable: {exc}")
+    out.print(impls)
+    out.print("Your own: name it in a suite as 'package.module:attribute' (see zbench.protocol).\n")
+    models = Table(title="models")
+    for col in ("name", "parameters", "layers", "d_model", "heads", "vocab", "seq"):
+        models.add_column(col)
+    for name, cfg in PRESETS.items():
+        models.add_row(name, f"{cfg.num_parameters:,}", str(cfg.layers), str(cfg.d_model), str(cfg.heads),
+                       str(cfg.vocab), str(cfg.seq))
+    out.print(models)
+    table = Table(title=f"suites in {suites}/")
+    table.add_column("file")
+    table.add_column("description")
+    for path in sorted(suites.glob("*.yaml")) if suites.is_dir() else []:
+        import yaml
+
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+            desc = data.get("description", "") if isinstance(data, dict) else ""
+        except yaml.YAMLError:
+            desc = "(malformed YAML)"
+        table.add_row(str(path), str(desc).strip())
+    out.print(table)
+
+
+@app.command("env")
+def env_cmd(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """What zbench sees: versions, distributed backends, GPUs, driver, nvml."""
+    from zbench import environment
+
+    info = environment.collect()
+    if as_json:
+        print(json.dumps(info, indent=1))
+        return
+    out = _stdout()
+    for key, value in info.items():
+        out.print(f"[bold]{key}[/]: {value}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: click's own usage errors and ours both become one line and exit code 2."""
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="zbench", standalone_mode=False)
+    except UsageError as exc:
+        print(f"zbench: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except click.exceptions.UsageError as exc:
+        hint = f" (see 'zbench {exc.ctx.info_name} --help')" if exc.ctx and exc.ctx.info_name != "zbench" else " (see 'zbench --help')"
+        print(f"zbench: error: {exc.format_message()}{hint}", file=sys.stderr)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        print("zbench: aborted", file=sys.stderr)
+        sys.exit(130)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,64 @@
+"""What the harness sees: versions, backends, GPUs and driver. Stored in every run.json and shown by ``zbench env``."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import sys
+
+import zbench
+
+
+def git_sha(cwd: str | None = None) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def nvml_info() -> dict:
+    """Driver version and GPU names from nvml, or why nvml is unavailable."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:  # no library, no driver, no GPU: all mean "unavailable"
+        return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        gpus = []
+        for i in range(count):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            gpus.append({"index": i, "name": pynvml.nvmlDeviceGetName(h), "memory_total_bytes": mem.total})
+        return {"available": True, "driver": pynvml.nvmlSystemGetDriverVersion(), "gpus": gpus}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def collect() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    info = {
+        "zbench_version": zbench.__version__,
+        "git_sha": git_sha(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "host": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "backends": {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()},
+        "cuda_available": cuda,
+        "cuda_version": torch.version.cuda,
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "nvml": nvml_info(),
+    }
+    if cuda and dist.is_nccl_available():
+        info["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return info

@@ -1,0 +1,42 @@
+"""The ZeRO paper's per-rank model-state formulas (design §5), by category.
+
+Ψ parameters, N data-parallel ranks. ``stage`` 0 is plain data parallelism
+(DDP). For fp32 training a parameter costs params 4 + grads 4 + optimizer K
+(AdamW 8, SGD with momentum 4, plain SGD 0) bytes; in mixed precision
+(bf16/fp16 compute copy with fp32 master weights) it costs params 2 + grads 2
++ master 4 + optimizer K.
+"""
+
+from __future__ import annotations
+
+
+def optimizer_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
+    if optimizer == "adamw":
+        return 8
+    return 4 if momentum else 0
+
+
+def expected_state_bytes(*, params: int, world: int, stage: int, precision: str,
+                         optimizer: str = "adamw", momentum: float = 0.0,
+                         master_weights: bool | None = None) -> dict[str, float]:
+    """Predicted bytes per rank by category for one rank of ``world``.
+
+    ``master_weights`` says whether the implementation keeps a low-precision
+    compute copy plus fp32 master weights (the ZeRO layout); ``None`` means
+    "whenever precision is not fp32". Autocast-based trainers (DDP, FSDP2 with
+    fp32 parameters) keep fp32 parameters and gradients and no separate master.
+    """
+    if master_weights is None:
+        master_weights = precision != "fp32"
+    low = 2 if master_weights else 4
+    k = optimizer_bytes_per_param(optimizer, momentum)
+    shard = 1.0 / world
+    p_frac = shard if stage >= 3 else 1.0
+    g_frac = shard if stage >= 2 else 1.0
+    o_frac = shard if stage >= 1 else 1.0
+    return {
+        "parameters": low * params * p_frac,
+        "gradients": low * params * g_frac,
+        "optimizer_state": k * params * o_frac,
+        "master_weights": (4 * params * o_frac) if master_weights else 0.0,
+    }

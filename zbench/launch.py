@@ -1,0 +1,159 @@
+"""Run one case as its own process group: one subprocess per rank, a timeout, and a verdict on how it ended.
+
+Note: every rank is started in one new process group so that a
+timeout or a crashed peer can be answered by killing the whole group at once;
+a rank stuck in a collective would otherwise outlive the harness.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zbench.suite import Case
+
+#: How long the surviving ranks get to notice a dead peer before the group is killed.
+PEER_GRACE_S = 10.0
+POLL_S = 0.2
+STDERR_TAIL_LINES = 40
+
+
+@dataclass
+class Outcome:
+    status: str  # ok | error | oom | timeout
+    ranks: list[dict] = field(default_factory=list)
+    error: str | None = None
+    stderr_tail: str = ""
+    exit_codes: list[int | None] = field(default_factory=list)
+    wall_s: float = 0.0
+    params_path: Path | None = None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(rank: int, world: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    cwd = os.getcwd()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+    return env
+
+
+def _spawn(case: Case, workdir: Path, port: int) -> list[subprocess.Popen]:
+    case_file = workdir / "case.json"
+    case_file.write_text(json.dumps(case.to_dict()))
+    procs: list[subprocess.Popen] = []
+    for rank in range(case.world_size):
+        log = open(workdir / f"rank{rank}.log", "wb")
+        group = {"process_group": 0 if rank == 0 else procs[0].pid}
+        procs.append(subprocess.Popen([sys.executable, "-m", "zbench.worker", str(case_file), str(workdir)],
+                                      env=_env(rank, case.world_size, port), stdin=subprocess.DEVNULL,
+                                      stdout=log, stderr=subprocess.STDOUT, **group))
+        log.close()
+    return procs
+
+
+def kill_group(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL every process of the case's group, then reap the ranks."""
+    if procs:
+        try:
+            os.killpg(procs[0].pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # pragma: no cover - group leader replaced by an unrelated process
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            p.kill()
+
+
+def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def run_case(case: Case, workdir: Path, *, on_progress: Callable[[str], None] = lambda _: None) -> Outcome:
+    """Launch the case's ranks, wait for them (at most ``case.timeout_s``), and classify the result."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    procs = _spawn(case, workdir, free_port())
+    timed_out = False
+    first_failure_at: float | None = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            now = time.monotonic()
+            if now - start > case.timeout_s:
+                timed_out = True
+                break
+            if any(c not in (None, 0) for c in codes):
+                first_failure_at = first_failure_at or now
+                if now - first_failure_at > PEER_GRACE_S:
+                    break
+            progress = workdir / "progress"
+            on_progress(f"step {progress.read_text()}" if progress.exists() else "starting ranks")
+            time.sleep(POLL_S)
+    finally:
+        kill_group(procs)
+    return _classify(case, workdir, procs, timed_out, time.monotonic() - start)
+
+
+def _classify(case: Case, workdir: Path, procs: list[subprocess.Popen], timed_out: bool, wall_s: float) -> Outcome:
+    codes = [p.returncode for p in procs]
+    ranks, errors = [], []
+    for r in range(case.world_size):
+        ok, err = workdir / f"rank{r}.json", workdir / f"rank{r}.error.json"
+        if ok.exists():
+            ranks.append(json.loads(ok.read_text()))
+        if err.exists():
+            errors.append(json.loads(err.read_text()))
+    failing_rank = errors[0]["rank"] if errors else next((r for r, c in enumerate(codes) if c not in (0, None)), 0)
+    outcome = Outcome(status="ok", ranks=ranks, exit_codes=codes, wall_s=wall_s,
+                      stderr_tail=_tail(workdir / f"rank{failing_rank}.log"))
+    if timed_out:
+        outcome.status = "timeout"
+        step = (workdir / "progress").read_text() if (workdir / "progress").exists() else "before the first step"
+        outcome.error = f"timed out after {case.timeout_s:g} s (at step {step}); process group killed"
+    elif any(e["kind"] == "oom" for e in errors):
+        outcome.status = "oom"
+        outcome.error = next(e for e in errors if e["kind"] == "oom")["message"]
+    elif errors:
+        outcome.status = "error"
+        outcome.error = f"rank {errors[0]['rank']}: {errors[0]['message']}"
+    elif any(c != 0 for c in codes) or len(ranks) != case.world_size:
+        outcome.status = "error"
+        outcome.error = f"rank {failing_rank} {_describe_exit(codes[failing_rank])} without a result"
+    if outcome.status == "ok" and (workdir / "params.pt").exists():
+        outcome.params_path = workdir / "params.pt"
+    return outcome

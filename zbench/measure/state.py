@@ -1,0 +1,70 @@
+"""Model-state bytes measured from the tensors a rank actually holds.
+
+Adapters (DDP, FSDP, torch ZeRO) report ``Engine.state_bytes`` through these
+helpers so that every implementation is counted the same way: each storage once,
+DTensors by their local shard, by the device the bytes live on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from zbench.protocol import CATEGORIES, LOCATIONS
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # DTensor (FSDP2) holds only its shard
+    return to_local() if callable(to_local) else t
+
+
+def location_of(t: torch.Tensor) -> str:
+    return "host" if t.device.type == "cpu" else "device"
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None], *, compute_device: torch.device) -> dict[str, int]:
+    """Bytes by location of ``tensors``, counting each underlying storage once.
+
+    A tensor on ``compute_device`` counts as ``device`` even on a CPU-only run,
+    so that on CPU the compute copy is still told apart from an offloaded copy
+    (which an engine reports as ``host`` itself).
+    """
+    seen: set[tuple[str, int]] = set()
+    out = {loc: 0 for loc in LOCATIONS}
+    for t in tensors:
+        if t is None:
+            continue
+        t = _local(t)
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        out["device" if t.device == compute_device else location_of(t)] += storage.nbytes()
+    return out
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor in an optimizer's state except scalar step counters."""
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor) and v.numel() > 1]
+
+
+def empty_state_bytes() -> dict[str, dict[str, int]]:
+    return {c: {loc: 0 for loc in LOCATIONS} for c in CATEGORIES}
+
+
+def module_state_bytes(params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                       *, compute_device: torch.device) -> dict[str, dict[str, int]]:
+    """State bytes of a plain (non-ZeRO-layout) trainer: parameters, their ``.grad`` and the optimizer state."""
+    params = list(params)
+    out = empty_state_bytes()
+    out["parameters"] = tensor_bytes(params, compute_device=compute_device)
+    out["gradients"] = tensor_bytes((p.grad for p in params), compute_device=compute_device)
+    out["optimizer_state"] = tensor_bytes(optimizer_tensors(optimizer), compute_device=compute_device)
+    return out
+
+
+def total(state: dict[str, dict[str, int]]) -> int:
+    return sum(sum(by_loc.values()) for by_loc in state.values())

@@ -1,0 +1,38 @@
+"""Step timing and the statistics reported for it (median and interquartile range, warm-up excluded)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work so a wall-clock reading covers it (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], *, device: torch.device, barrier: Callable[[], None]) -> tuple[object, float]:
+    """Run ``fn`` between two barriers and return its result and the wall time the slowest rank took."""
+    synchronize(device)
+    barrier()
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    barrier()
+    return result, time.perf_counter() - start
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float | None]:
+    """Median, quartiles and IQR of timed samples (``None`` when there are none)."""
+    if not samples:
+        return {"median": None, "q1": None, "q3": None, "iqr": None, "min": None, "max": None}
+    if len(samples) == 1:
+        q1 = q3 = samples[0]
+    else:
+        q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return {"median": statistics.median(samples), "q1": q1, "q3": q3, "iqr": q3 - q1,
+            "min": min(samples), "max": max(samples)}

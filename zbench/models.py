@@ -1,0 +1,152 @@
+"""Model presets by name and the synthetic data every implementation trains on.
+
+The model is a plain GPT (nanoGPT-shaped: token + position embeddings, pre-norm
+blocks, untied head) so a newcomer can read it top to bottom. Presets range from
+``tiny`` (seconds on a CPU) to ``gpt-70b``; the big ones exist for planning:
+their parameter count is exact (``GPTConfig.num_parameters`` equals what the
+module would hold) even where they cannot be built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    layers: int
+    d_model: int
+    heads: int
+    vocab: int
+    seq: int
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    @property
+    def embedding_parameters(self) -> int:
+        return (self.vocab + self.seq) * self.d_model
+
+    @property
+    def num_parameters(self) -> int:
+        """Exact count of the parameters ``GPT(self)`` holds."""
+        d, h = self.d_model, self.mlp_ratio * self.d_model
+        layer_norm = 2 * d
+        attention = d * 3 * d + 3 * d + d * d + d
+        mlp = d * h + h + h * d + d
+        block = 2 * layer_norm + attention + mlp
+        return self.embedding_parameters + self.layers * block + layer_norm + d * self.vocab
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6·(Ψ − embeddings) + attention (design §5)."""
+        return 6 * (self.num_parameters - self.embedding_parameters) + 6 * self.layers * self.heads * self.head_dim * self.seq
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(layers=2, d_model=64, heads=2, vocab=256, seq=32),
+    "small": GPTConfig(layers=4, d_model=256, heads=4, vocab=1024, seq=128),
+    "gpt-125m": GPTConfig(layers=12, d_model=768, heads=12, vocab=50304, seq=2048),
+    "gpt-350m": GPTConfig(layers=24, d_model=1024, heads=16, vocab=50304, seq=2048),
+    "gpt-760m": GPTConfig(layers=24, d_model=1536, heads=16, vocab=50304, seq=2048),
+    "gpt-1.3b": GPTConfig(layers=24, d_model=2048, heads=32, vocab=50304, seq=2048),
+    "gpt-2.7b": GPTConfig(layers=32, d_model=2560, heads=32, vocab=50304, seq=2048),
+    "gpt-6.7b": GPTConfig(layers=32, d_model=4096, heads=32, vocab=50304, seq=2048),
+    "gpt-13b": GPTConfig(layers=40, d_model=5120, heads=40, vocab=50304, seq=2048),
+    "gpt-30b": GPTConfig(layers=48, d_model=7168, heads=56, vocab=50304, seq=2048),
+    "gpt-70b": GPTConfig(layers=87, d_model=8192, heads=64, vocab=50304, seq=2048),
+}
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention then a GELU MLP, each with a residual."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, cfg.mlp_ratio * d)
+        self.out = nn.Linear(cfg.mlp_ratio * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """``forward(idx, targets)`` returns the mean cross-entropy loss, so engines need no loss function."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x)).float()
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def get_config(name: str) -> GPTConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+def build_model(name: str, *, seed: int, device: torch.device | str = "cpu") -> GPT:
+    """The preset, initialised from ``seed`` on the CPU (bit-identical on every rank and every host), then moved."""
+    cfg = get_config(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT(cfg)
+    return model.to(device)
+
+
+def synthetic_batch(cfg: GPTConfig, *, seed: int, step: int, rows: int, seq: int | None = None) -> torch.Tensor:
+    """The global batch of ``step``: ``rows`` sequences of ``seq + 1`` tokens, the same for every implementation.
+
+    Tokens follow a fixed random successor table most of the time, so the loss
+    really falls as the model learns (which makes time-to-target meaningful),
+    with random tokens mixed in so it never reaches zero.
+    """
+    seq = seq or cfg.seq
+    table_gen = torch.Generator().manual_seed(seed)
+    successor = torch.randperm(cfg.vocab, generator=table_gen)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step + 1)
+    noise = torch.randint(0, cfg.vocab, (rows, seq + 1), generator=gen)
+    keep = torch.rand(rows, seq + 1, generator=gen) < 0.8
+    tokens = noise.clone()
+    for t in range(1, seq + 1):
+        tokens[:, t] = torch.where(keep[:, t], successor[tokens[:, t - 1]], noise[:, t])
+    return tokens
+
+
+def rank_micro_batches(batch: torch.Tensor, *, rank: int, world: int, grad_accum: int,
+                       device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of a global batch (rows ``rank::world``, like DistributedSampler), split into micro-batches."""
+    mine = batch[rank::world].to(device)
+    return [(chunk[:, :-1], chunk[:, 1:]) for chunk in mine.chunk(grad_accum)]

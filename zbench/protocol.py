@@ -1,0 +1,142 @@
+"""The contract between the harness and an implementation.
+
+An *implementation* is a factory: it says what it supports (``Capabilities``)
+and, on every rank, wraps a freshly built model into an ``Engine`` for one
+``TrainSpec``. The harness owns seeds, data, timing, memory and communication
+measurement; an engine only trains and answers three questions (what is the
+loss, what are the full parameters, how many bytes do you hold).
+
+Note: ``step`` returns this rank's *local* loss as a tensor rather than a
+group-averaged float so that the harness can average it across ranks outside
+the timed region; a logging collective must not be billed to the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Offload = Literal["none", "optimizer", "optimizer+params", "nvme"]
+Optimizer = Literal["adamw", "sgd"]
+DeviceKind = Literal["cpu", "cuda"]
+
+#: Model-state categories reported by ``Engine.state_bytes``.
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights")
+#: Where a byte lives.
+LOCATIONS = ("device", "host", "disk")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an implementation can run; the suite expander skips everything else with a reason."""
+
+    stages: frozenset[int] = frozenset({0})
+    """ZeRO stages it implements (0 means plain data parallel: DDP); the stage the formulas use."""
+    precisions: frozenset[str] = frozenset({"fp32"})
+    offload: frozenset[str] = frozenset({"none"})
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    optimizers: frozenset[str] = frozenset({"adamw", "sgd"})
+    grad_accumulation: bool = True
+    grad_clipping: bool = True
+    keeps_master_weights: bool = False
+    """True when mixed precision keeps a low-precision compute copy plus fp32 master weights
+    (the ZeRO layout); False for autocast trainers that keep fp32 parameters (DDP, FSDP2)."""
+
+    def why_unsupported(self, *, stage: int, precision: str, offload: str, device: str,
+                        optimizer: str, grad_accum: int, grad_clip: float | None) -> str | None:
+        """The reason this combination cannot run, or ``None`` when it can."""
+        if stage not in self.stages:
+            return f"stage {stage} not supported (supports {sorted(self.stages)})"
+        if precision not in self.precisions:
+            return f"precision {precision} not supported (supports {sorted(self.precisions)})"
+        if offload not in self.offload:
+            return f"offload {offload} not supported (supports {sorted(self.offload)})"
+        if device not in self.devices:
+            return f"device {device} not supported (supports {sorted(self.devices)})"
+        if optimizer not in self.optimizers:
+            return f"optimizer {optimizer} not supported (supports {sorted(self.optimizers)})"
+        if grad_accum > 1 and not self.grad_accumulation:
+            return "gradient accumulation not supported"
+        if grad_clip is not None and not self.grad_clipping:
+            return "gradient clipping not supported"
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    """Everything an engine needs to know about how to train; identical for every implementation of a case group."""
+
+    device: torch.device
+    precision: Precision = "fp32"
+    optimizer: Optimizer = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    momentum: float = 0.0
+    grad_clip: float | None = None
+    """Global gradient-norm clip (``torch.nn.utils.clip_grad_norm_`` semantics), or ``None``."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; ``Engine.step`` receives this many."""
+    stage: int = 0
+    offload: Offload = "none"
+    nvme_dir: str | None = None
+    options: dict = field(default_factory=dict)
+    """Implementation-specific knobs from the suite (bucket sizes, prefetch, ...)."""
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
+
+    def optimizer_class_and_kwargs(self) -> tuple[type[torch.optim.Optimizer], dict]:
+        """The torch optimizer class and its arguments (for wrappers such as ``ZeroRedundancyOptimizer``)."""
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW, dict(lr=self.lr, betas=self.betas, eps=self.eps,
+                                           weight_decay=self.weight_decay, foreach=False)
+        return torch.optim.SGD, dict(lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, foreach=False)
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        """The optimizer every implementation must use, so that all of them train identically."""
+        cls, kwargs = self.optimizer_class_and_kwargs()
+        return cls(params, **kwargs)
+
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]
+"""``(inputs, targets)``: token ids of shape ``[micro_batch, seq]``; the model returns the mean loss."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One rank's view of a model being trained by an implementation."""
+
+    def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """One optimizer step over ``micro_batches`` (gradient accumulation, clipping included).
+
+        Returns this rank's loss (mean over its micro-batches) as a detached scalar tensor.
+        """
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, gathered, fp32, on CPU, keyed by the model's own parameter names.
+
+        Collective: every rank must call it.
+        """
+
+    def state_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds, ``{category: {location: bytes}}`` (see ``CATEGORIES``, ``LOCATIONS``).
+
+        Measured from the tensors actually held, not computed from a formula.
+        """
+
+
+class Implementation(Protocol):
+    """A named factory of engines. Built-ins live in ``implementations/``; users may name their own by import path."""
+
+    name: str
+    capabilities: Capabilities
+
+    def build(self, model: nn.Module, spec: TrainSpec, group: torch.distributed.ProcessGroup | None) -> Engine:
+        """Wrap ``model`` (already on ``spec.device``, identical on every rank) for training."""

@@ -1,0 +1,63 @@
+"""Turn what the ranks of a case handed back into the case's stored record (design §4)."""
+
+from __future__ import annotations
+
+from zbench import registry
+from zbench.formulas import expected_state_bytes
+from zbench.launch import Outcome
+from zbench.measure.timing import summarize
+from zbench.protocol import CATEGORIES, LOCATIONS
+from zbench.suite import Case
+
+
+def skipped_record(case: Case) -> dict:
+    return {"case_id": case.case_id, "config": case.to_dict(), "status": "skipped", "skip_reason": case.skip_reason}
+
+
+def case_record(case: Case, outcome: Outcome, *, started_at: str, ended_at: str) -> dict:
+    record = {"case_id": case.case_id, "config": case.to_dict(), "status": outcome.status, "error": outcome.error,
+              "stderr_tail": outcome.stderr_tail if outcome.status != "ok" else "", "exit_codes": outcome.exit_codes,
+              "started_at": started_at, "ended_at": ended_at, "wall_s": outcome.wall_s}
+    if outcome.status == "ok":
+        record.update(_measurements(case, sorted(outcome.ranks, key=lambda r: r["rank"])))
+    return record
+
+
+def _measurements(case: Case, ranks: list[dict]) -> dict:
+    steps = []
+    for i in range(case.steps):
+        loss = sum(r["losses"][i] for r in ranks) / len(ranks)
+        seconds = max(r["step_times_s"][i] for r in ranks)
+        steps.append({"step": i, "loss": loss, "step_time_s": seconds, "warmup": i < case.warmup_steps,
+                      **ranks[0]["metrics"][i]})
+    stats = summarize([s["step_time_s"] for s in steps if not s["warmup"]])
+    tokens_per_step = case.global_batch * case.seq_len
+    params = ranks[0]["parameters"]
+    return {
+        "model_parameters": params,
+        "steps": steps,
+        "summary": {"step_time_median_s": stats["median"], "step_time_iqr_s": stats["iqr"],
+                    "step_time_q1_s": stats["q1"], "step_time_q3_s": stats["q3"],
+                    "tokens_per_s": tokens_per_step / stats["median"] if stats["median"] else None,
+                    "tokens_per_s_per_rank": tokens_per_step / stats["median"] / case.world_size if stats["median"] else None,
+                    "final_loss": steps[-1]["loss"]},
+        "memory": {"kind": ranks[0]["memory"]["kind"], "peak_bytes": max(r["memory"]["bytes"] for r in ranks),
+                   "per_rank": [r["memory"] for r in ranks]},
+        "model_state": model_state(case, ranks, params),
+    }
+
+
+def model_state(case: Case, ranks: list[dict], params: int) -> dict:
+    """Measured bytes (the fullest rank) by category and location next to the ZeRO formula's prediction."""
+    per_rank = [r["state_bytes"] for r in ranks]
+    fullest = max(per_rank, key=lambda s: sum(sum(v.values()) for v in s.values()))
+    measured = {c: {loc: fullest.get(c, {}).get(loc, 0) for loc in LOCATIONS} for c in CATEGORIES}
+    caps = registry.resolve(case.implementation).capabilities
+    expected = expected_state_bytes(params=params, world=case.world_size, stage=case.stage, precision=case.precision,
+                                    optimizer=case.optimizer, momentum=case.momentum,
+                                    master_weights=caps.keeps_master_weights and case.precision != "fp32")
+    measured_total = sum(sum(v.values()) for v in measured.values())
+    expected_total = sum(expected.values())
+    return {"measured": measured, "expected": expected, "per_rank": per_rank,
+            "measured_total": measured_total, "expected_total": expected_total,
+            "error_rel": (measured_total - expected_total) / expected_total if expected_total else None}

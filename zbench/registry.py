@@ -1,0 +1,35 @@
+"""Find an implementation by built-in name or by ``module:attribute`` import path."""
+
+from __future__ import annotations
+
+import importlib
+
+from implementations import BUILTIN
+from zbench.protocol import Implementation
+
+
+def is_import_path(name: str) -> bool:
+    return ":" in name
+
+
+def resolve(name: str) -> Implementation:
+    """The implementation object ``name`` refers to.
+
+    Raises ``LookupError`` with a message that lists what is allowed.
+    """
+    target = BUILTIN.get(name, name if is_import_path(name) else None)
+    if target is None:
+        raise LookupError(f"unknown implementation {name!r}; built-in: {', '.join(BUILTIN)}; "
+                          "or give an import path like 'my_pkg.engine:MyZero'")
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+        obj = getattr(module, attr)
+    except (ImportError, AttributeError) as exc:
+        raise LookupError(f"cannot import implementation {name!r} ({target}): {exc}") from None
+    obj = obj() if isinstance(obj, type) else obj
+    for attribute in ("name", "capabilities", "build"):
+        if not hasattr(obj, attribute):
+            raise LookupError(f"implementation {name!r} ({target}) has no {attribute!r}; "
+                              "see zbench.protocol.Implementation")
+    return obj

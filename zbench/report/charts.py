@@ -1,0 +1,46 @@
+"""Plotly figures for the report, returned as HTML fragments (the plotly.js library is inlined once by the page)."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+LAYOUT = dict(template="plotly_white", height=380, margin=dict(l=60, r=20, t=50, b=120), legend=dict(orientation="h"))
+
+
+def _fragment(fig: go.Figure) -> str:
+    return fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False})
+
+
+def step_time_chart(records: list[dict]) -> str:
+    ok = [r for r in records if r["status"] == "ok"]
+    medians = [r["summary"]["step_time_median_s"] * 1e3 for r in ok]
+    fig = go.Figure(go.Bar(
+        x=[r["case_id"] for r in ok], y=medians, name="median step time",
+        error_y=dict(type="data", symmetric=False,
+                     array=[(r["summary"]["step_time_q3_s"] - r["summary"]["step_time_median_s"]) * 1e3 for r in ok],
+                     arrayminus=[(r["summary"]["step_time_median_s"] - r["summary"]["step_time_q1_s"]) * 1e3 for r in ok]),
+        text=[f"{r['ratio_to_ddp']:.2f}x DDP" if r.get("ratio_to_ddp") else "" for r in ok], textposition="outside"))
+    fig.update_layout(title="Median step time (ms), whiskers: interquartile range", yaxis_title="ms", **LAYOUT)
+    return _fragment(fig)
+
+
+def memory_chart(records: list[dict]) -> str:
+    ok = [r for r in records if r["status"] == "ok"]
+    ids = [r["case_id"] for r in ok]
+    mib = 1 / 2**20
+    fig = go.Figure([
+        go.Bar(x=ids, y=[r["memory"]["peak_bytes"] * mib for r in ok], name="peak memory per rank"),
+        go.Bar(x=ids, y=[r["model_state"]["measured_total"] * mib for r in ok], name="model state (measured)"),
+        go.Bar(x=ids, y=[r["model_state"]["expected_total"] * mib for r in ok], name="model state (ZeRO formula)"),
+    ])
+    fig.update_layout(title="Memory per rank (MiB)", yaxis_title="MiB", barmode="group", **LAYOUT)
+    return _fragment(fig)
+
+
+def loss_chart(records: list[dict]) -> str:
+    fig = go.Figure([go.Scatter(x=[s["step"] for s in r["steps"]], y=[s["loss"] for s in r["steps"]],
+                                mode="lines+markers", name=r["case_id"])
+                     for r in records if r["status"] == "ok"])
+    fig.update_layout(title="Loss per step (every implementation should lie on DDP's curve)",
+                      xaxis_title="step", yaxis_title="loss", **LAYOUT)
+    return _fragment(fig)

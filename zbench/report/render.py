@@ -1,0 +1,41 @@
+"""Render a run's results into one self-contained HTML page (jinja2, autoescaped, no network)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+from markupsafe import Markup
+
+from zbench.console import fmt_bytes, fmt_ratio, fmt_seconds, status_text
+from zbench.equivalence import TOLERANCE
+from zbench.report import charts
+from zbench.store import RunDir, atomic_write_bytes
+
+_ENV = jinja2.Environment(loader=jinja2.PackageLoader("zbench.report", "templates"),
+                          autoescape=jinja2.select_autoescape(default=True, default_for_string=True),
+                          undefined=jinja2.StrictUndefined)
+_ENV.filters.update(bytes=fmt_bytes, seconds=fmt_seconds, ratio=fmt_ratio, status=status_text)
+
+
+def _plotly_js() -> Markup:
+    from plotly.offline import get_plotlyjs
+
+    return Markup(get_plotlyjs())
+
+
+def render(run: RunDir, report_dir: Path) -> Path:
+    """Write ``report_dir/index.html`` for ``run`` and return its path."""
+    records = run.cases()
+    order = {c: i for i, c in enumerate(run.run_info().get("case_order", []))}
+    records.sort(key=lambda r: order.get(r["case_id"], len(order)))
+    has_ok = any(r["status"] == "ok" for r in records)
+    page = _ENV.get_template("index.html.j2").render(
+        run=run.run_info(), records=records, tolerances=TOLERANCE,
+        counts={s: sum(r["status"] == s for r in records) for s in ("ok", "skipped", "error", "oom", "timeout")},
+        not_equivalent=sum(1 for r in records if r["status"] == "ok" and not r.get("equivalence", {}).get("equivalent")),
+        charts=[Markup(c(records)) for c in (charts.step_time_chart, charts.memory_chart, charts.loss_chart)] if has_ok else [],
+        plotly_js=_plotly_js() if has_ok else "")
+    out = Path(report_dir) / "index.html"
+    atomic_write_bytes(out, page.encode())
+    return out

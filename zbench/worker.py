@@ -1,0 +1,102 @@
+"""What runs on every rank of a case: build, wrap, train, measure, hand the results back.
+
+Launched by ``zbench.launch`` as ``python -m zbench.worker CASE_JSON WORKDIR``
+with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT`` set. Each rank writes ``rank<R>.json`` (or
+``rank<R>.error.json``) into WORKDIR; rank 0 also writes ``params.pt`` (the
+final parameters) and ``progress`` (the step it is on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from zbench import registry
+from zbench.measure.memory import peak_memory
+from zbench.measure.timing import timed
+from zbench.models import build_model, get_config, rank_micro_batches, synthetic_batch
+from zbench.protocol import TrainSpec
+from zbench.store import atomic_write_json, atomic_torch_save
+
+
+def train_spec(case: dict, device: torch.device) -> TrainSpec:
+    return TrainSpec(device=device, precision=case["precision"], optimizer=case["optimizer"], lr=case["lr"],
+                     weight_decay=case["weight_decay"], momentum=case["momentum"], grad_clip=case["grad_clip"],
+                     grad_accum=case["grad_accum"], stage=case["stage"], offload=case["offload"],
+                     nvme_dir=case["nvme_dir"], options=case["options"])
+
+
+def pick_device(case: dict, local_rank: int) -> torch.device:
+    if case["device"] == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def train(case: dict, workdir: Path, rank: int, world: int, device: torch.device) -> dict:
+    cfg = get_config(case["model"])
+    data_cfg = dataclasses.replace(cfg, seq=case["seq_len"])
+    implementation = registry.resolve(case["implementation"])
+    model = build_model(case["model"], seed=case["seed"], device=device)
+    engine = implementation.build(model, train_spec(case, device), dist.group.WORLD)
+    rows = case["micro_batch"] * case["grad_accum"] * world
+    losses, times, metrics = [], [], []
+    for step in range(case["steps"]):
+        batch = synthetic_batch(data_cfg, seed=case["seed"], step=step, rows=rows)
+        micro_batches = rank_micro_batches(batch, rank=rank, world=world, grad_accum=case["grad_accum"], device=device)
+        loss, seconds = timed(lambda: engine.step(micro_batches), device=device, barrier=dist.barrier)
+        losses.append(float(loss))
+        times.append(seconds)
+        metrics.append(engine.metrics() if hasattr(engine, "metrics") else {})
+        if rank == 0:
+            (workdir / "progress").write_text(f"{step + 1}/{case['steps']}")
+    state = engine.state_bytes()
+    params = engine.full_parameters()
+    if rank == 0:
+        atomic_torch_save(params, workdir / "params.pt")
+    return {"rank": rank, "losses": losses, "step_times_s": times, "metrics": metrics,
+            "memory": peak_memory(device), "state_bytes": state,
+            "parameters": cfg.num_parameters}
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
+
+
+def main(argv: list[str]) -> int:
+    case_path, workdir = Path(argv[0]), Path(argv[1])
+    case = json.loads(case_path.read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if case["device"] == "cpu":
+        torch.set_num_threads(int(os.environ.get("ZBENCH_THREADS_PER_RANK", max(1, (os.cpu_count() or 1) // world))))
+    try:
+        device = pick_device(case, local_rank)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=case["timeout_s"]),
+                                device_id=device if device.type == "cuda" else None)
+        result = train(case, workdir, rank, world, device)
+    except BaseException as exc:  # recorded for the launcher, then the process dies without waiting on peers
+        kind = "oom" if is_oom(exc) else "error"
+        atomic_write_json(workdir / f"rank{rank}.error.json", {
+            "rank": rank, "kind": kind, "message": f"{type(exc).__name__}: {exc}".strip()[:2000],
+            "traceback": traceback.format_exc()[-8000:]})
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(3)
+    atomic_write_json(workdir / f"rank{rank}.json", result)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
