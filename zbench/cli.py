@@ -11,6 +11,7 @@ import click
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from zbench.errors import UsageError
 
@@ -46,10 +47,10 @@ def run(
     result = run_suite(suite, results_root=results, resume=resume, progress=Progress())
     page = render(result.run, report)
     err = stderr_console()
-    err.print(f"results: {result.run.path}\nreport:  {page}")
+    err.print(Text(f"results: {result.run.path}\nreport:  {page}"))
     if result.failed:
-        err.print(f"[red]{len(result.failed)} case(s) failed or diverged from DDP: "
-                  f"{', '.join(r['case_id'] for r in result.failed)}[/]")
+        err.print(Text(f"{len(result.failed)} case(s) failed or diverged from DDP: "
+                       f"{', '.join(r['case_id'] for r in result.failed)}", style="red"))
         raise typer.Exit(1)
 
 
@@ -97,7 +98,7 @@ def report_cmd(
     if run is None:
         raise UsageError(f"{results}: no runs found (expected <dir>/<run-id>/run.json)")
     page = render(run, report)
-    Console(stderr=True, highlight=False).print(f"report: {page} (run {run.run_id})")
+    Console(stderr=True, highlight=False).print(Text(f"report: {page} (run {run.run_id})"))
 
 
 @app.command("list")
@@ -155,7 +156,7 @@ def env_cmd(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")]
         return
     out = _stdout()
     for key, value in info.items():
-        out.print(f"[bold]{key}[/]: {value}")
+        out.print(Text(f"{key}: ", style="bold") + Text(str(value)))
 
 
 def main(argv: list[str] | None = None) -> None:

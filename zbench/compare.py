@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.table import Table
+from rich.text import Text
 
 from zbench import suite as suite_mod
 from zbench.console import Progress, fmt_bytes, fmt_ratio, fmt_seconds, status_text
@@ -47,7 +48,7 @@ class Comparison:
     def table(self) -> Table:
         rows = [case_summary(r) for r in self.result.records]
         table = Table(title=f"zbench compare (run {self.result.run.run_id})")
-        table.add_column("")
+        table.add_column("", no_wrap=True)
         for r in rows:
             table.add_column(r["implementation"], justify="right")
         lines = [
@@ -64,7 +65,7 @@ class Comparison:
             ("equivalent to DDP", lambda r, rec: {True: "yes", False: "NO", None: "-"}[r["equivalent"]]),
         ]
         for label, cell in lines:
-            table.add_row(label, *(cell(r, rec) for r, rec in zip(rows, self.result.records)))
+            table.add_row(label, *(Text(cell(r, rec)) for r, rec in zip(rows, self.result.records)))
         return table
 
 

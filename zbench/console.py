@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
 from rich.status import Status
 from rich.table import Table
 
@@ -71,7 +73,7 @@ class Progress:
 
     def start(self, run_id: str, path: Path, total: int) -> None:
         self.total = total
-        self._print(f"run [bold]{run_id}[/]: {total} cases -> {path}")
+        self._print(f"run [bold]{run_id}[/]: {total} cases -> {escape(str(path))}")
 
     def _prefix(self, index: int, case: Case) -> str:
         return f"[{index}/{self.total}] {case.case_id}"
@@ -80,30 +82,30 @@ class Progress:
         if self.quiet:
             return
         if self.console.is_terminal:
-            self._status = self.console.status(f"{self._prefix(index, case)}: launching {case.world_size} ranks")
+            self._status = self.console.status(escape(f"{self._prefix(index, case)}: launching {case.world_size} ranks"))
             self._status.start()
         else:
-            self._print(f"{self._prefix(index, case)}: running on {case.world_size} {case.device} ranks ...")
+            self._print(escape(f"{self._prefix(index, case)}: running on {case.world_size} {case.device} ranks ..."))
 
     def case_update(self, index: int, case: Case, what: str, elapsed: float) -> None:
         if self._status is not None:
-            self._status.update(f"{self._prefix(index, case)}: {what}, {elapsed:.0f} s")
+            self._status.update(escape(f"{self._prefix(index, case)}: {what}, {elapsed:.0f} s"))
 
     def case_done(self, index: int, case: Case, record: dict) -> None:
         if self._status is not None:
             self._status.stop()
             self._status = None
-        line = f"{self._prefix(index, case)}: {status_text(record)}"
+        line = escape(f"{self._prefix(index, case)}: {status_text(record)}")
         if record["status"] == "ok":
             summary = record["summary"]
-            line += (f", {fmt_seconds(summary['step_time_median_s'])}/step, ratio {fmt_ratio(record.get('ratio_to_ddp'))}, "
-                     f"{verdict_text(record)}, {record['wall_s']:.1f} s")
+            line += escape(f", {fmt_seconds(summary['step_time_median_s'])}/step, ratio {fmt_ratio(record.get('ratio_to_ddp'))}, "
+                           f"{verdict_text(record)}, {record['wall_s']:.1f} s")
         elif record["status"] != "skipped":
             line = f"[red]{line}[/]"
         self._print(line)
 
     def case_reused(self, index: int, case: Case, record: dict) -> None:
-        self._print(f"{self._prefix(index, case)}: already stored ({record['status']}), not run again")
+        self._print(escape(f"{self._prefix(index, case)}: already stored ({record['status']}), not run again"))
 
     def summary(self, records: list[dict]) -> None:
         if not self.quiet:
@@ -118,10 +120,11 @@ def summary_table(records: list[dict]) -> Table:
     for r in records:
         ok = r["status"] == "ok"
         summary = r.get("summary") or {}
-        table.add_row(
-            r["case_id"], status_text(r) if not ok else "ok",
-            fmt_seconds(summary.get("step_time_median_s")), fmt_ratio(r.get("ratio_to_ddp")),
-            f"{summary['tokens_per_s']:.0f}" if summary.get("tokens_per_s") else "-",
-            fmt_bytes((r.get("memory") or {}).get("peak_bytes")),
-            fmt_bytes((r.get("model_state") or {}).get("measured_total")), verdict_text(r))
+        status = status_text(r)
+        cells = (r["case_id"], status if len(status) <= 90 else status[:87] + "...",
+                 fmt_seconds(summary.get("step_time_median_s")), fmt_ratio(r.get("ratio_to_ddp")),
+                 f"{summary['tokens_per_s']:.0f}" if summary.get("tokens_per_s") else "-",
+                 fmt_bytes((r.get("memory") or {}).get("peak_bytes")),
+                 fmt_bytes((r.get("model_state") or {}).get("measured_total")), verdict_text(r))
+        table.add_row(*(Text(c) for c in cells))
     return table

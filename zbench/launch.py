@@ -137,7 +137,8 @@ def _classify(case: Case, workdir: Path, procs: list[subprocess.Popen], timed_ou
         if ok.exists():
             ranks.append(json.loads(ok.read_text()))
         if err.exists():
-            errors.append(json.loads(err.read_text()))
+            errors.append({**json.loads(err.read_text()), "_mtime": err.stat().st_mtime_ns})
+    errors.sort(key=lambda e: e["_mtime"])  # the first rank to fail is the cause; peers fail because it died
     failing_rank = errors[0]["rank"] if errors else next((r for r, c in enumerate(codes) if c not in (0, None)), 0)
     outcome = Outcome(status="ok", ranks=ranks, exit_codes=codes, wall_s=wall_s,
                       stderr_tail=_tail(workdir / f"rank{failing_rank}.log"))

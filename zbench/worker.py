@@ -69,7 +69,9 @@ def train(case: dict, workdir: Path, rank: int, world: int, device: torch.device
 
 
 def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
+    text = str(exc).lower()
+    return (isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
+            or "can't allocate memory" in text)  # the CPU allocator's wording
 
 
 def main(argv: list[str]) -> int:

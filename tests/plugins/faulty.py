@@ -1,0 +1,81 @@
+"""Implementations that are wrong on purpose, used only by the tests to prove the harness catches them.
+
+``FAULTY`` behaves like DDP unless its suite options ask for a fault:
+``fault: unsynced`` forgets to average one parameter's gradient across ranks
+(a classic hook bug: training goes on, quietly wrong); ``crash`` raises on
+rank 1; ``oom`` asks for an impossible allocation; ``hang`` leaves rank 1
+asleep so rank 0 blocks in a collective; ``slow`` sleeps ``slow_s`` per step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from implementations.ddp import DDPEngine
+from zbench.measure.state import module_state_bytes
+from zbench.protocol import Capabilities, TrainSpec
+
+
+class UnsyncedEngine:
+    """Averages every gradient but the last parameter's across ranks."""
+
+    def __init__(self, model: nn.Module, spec: TrainSpec) -> None:
+        self.model, self.spec = model, spec
+        for p in model.parameters():
+            dist.broadcast(p.data, 0)
+        self.optimizer = spec.make_optimizer(model.parameters())
+
+    def step(self, micro_batches):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model(*micro_batches[0])
+        loss.backward()
+        params = list(self.model.parameters())
+        for p in params[:-1]:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        self.optimizer.step()
+        return loss.detach()
+
+    def full_parameters(self):
+        return {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}
+
+    def state_bytes(self):
+        return module_state_bytes(self.model.parameters(), self.optimizer, compute_device=self.spec.device)
+
+
+class FaultyEngine(DDPEngine):
+    def __init__(self, model: nn.Module, spec: TrainSpec, group) -> None:
+        super().__init__(model, spec, group)
+        self.fault = spec.options.get("fault")
+        self.steps = 0
+
+    def step(self, micro_batches):
+        self.steps += 1
+        rank = dist.get_rank()
+        if self.steps == 3 and rank == dist.get_world_size() - 1:
+            if self.fault == "crash":
+                raise RuntimeError("injected failure on purpose")
+            if self.fault == "oom":
+                torch.empty(2**62, dtype=torch.uint8)
+            if self.fault == "hang":
+                time.sleep(3600)
+        if self.fault == "slow":
+            time.sleep(float(self.spec.options.get("slow_s", 0.01)))
+        return super().step(micro_batches)
+
+
+class Faulty:
+    name = "faulty"
+    capabilities = Capabilities(stages=frozenset({0}), precisions=frozenset({"fp32"}))
+
+    def build(self, model: nn.Module, spec: TrainSpec, group):
+        if spec.options.get("fault") == "unsynced":
+            return UnsyncedEngine(model, spec)
+        return FaultyEngine(model, spec, group)
+
+
+FAULTY = Faulty()
