@@ -159,6 +159,12 @@ def env_cmd(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")]
         out.print(Text(f"{key}: ", style="bold") + Text(str(value)))
 
 
+def _is_click_usage_error(exc: Exception) -> bool:
+    """Click's usage errors, whether from click itself or the copy typer vendors (exit code 2, ``format_message``)."""
+    return isinstance(exc, click.UsageError) or (
+        getattr(exc, "exit_code", None) == 2 and callable(getattr(exc, "format_message", None)))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: click's own usage errors and ours both become one line and exit code 2."""
     command = typer.main.get_command(app)
@@ -167,13 +173,18 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as exc:
         print(f"zbench: error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except click.exceptions.UsageError as exc:
-        hint = f" (see 'zbench {exc.ctx.info_name} --help')" if exc.ctx and exc.ctx.info_name != "zbench" else " (see 'zbench --help')"
-        print(f"zbench: error: {exc.format_message()}{hint}", file=sys.stderr)
-        sys.exit(2)
-    except click.exceptions.Abort:
+    except KeyboardInterrupt:
+        print("zbench: interrupted; every case that finished is stored (complete the run with --resume RUN_ID)",
+              file=sys.stderr)
+        sys.exit(130)
+    except typer.Abort:
         print("zbench: aborted", file=sys.stderr)
         sys.exit(130)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
+    except Exception as exc:
+        if not _is_click_usage_error(exc):
+            raise
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see 'zbench {ctx.info_name} --help')" if ctx and ctx.info_name != "zbench" else " (see 'zbench --help')"
+        print(f"zbench: error: {exc.format_message()}{hint}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)

@@ -23,6 +23,7 @@ from zbench.suite import Case
 #: How long the surviving ranks get to notice a dead peer before the group is killed.
 PEER_GRACE_S = 10.0
 POLL_S = 0.2
+STACK_DUMP_WAIT_S = 1.0
 STDERR_TAIL_LINES = 40
 
 
@@ -64,6 +65,15 @@ def _spawn(case: Case, workdir: Path, port: int) -> list[subprocess.Popen]:
                                       stdout=log, stderr=subprocess.STDOUT, **group))
         log.close()
     return procs
+
+
+def dump_stacks(procs: list[subprocess.Popen]) -> None:
+    """Ask every rank to print its Python stacks (workers register faulthandler on SIGUSR1) before the kill."""
+    try:
+        os.killpg(procs[0].pid, signal.SIGUSR1)
+    except (ProcessLookupError, PermissionError):
+        return
+    time.sleep(STACK_DUMP_WAIT_S)
 
 
 def kill_group(procs: list[subprocess.Popen]) -> None:
@@ -116,6 +126,7 @@ def run_case(case: Case, workdir: Path, *, on_progress: Callable[[str], None] = 
             now = time.monotonic()
             if now - start > case.timeout_s:
                 timed_out = True
+                dump_stacks(procs)
                 break
             if any(c not in (None, 0) for c in codes):
                 first_failure_at = first_failure_at or now
@@ -140,8 +151,10 @@ def _classify(case: Case, workdir: Path, procs: list[subprocess.Popen], timed_ou
             errors.append({**json.loads(err.read_text()), "_mtime": err.stat().st_mtime_ns})
     errors.sort(key=lambda e: e["_mtime"])  # the first rank to fail is the cause; peers fail because it died
     failing_rank = errors[0]["rank"] if errors else next((r for r, c in enumerate(codes) if c not in (0, None)), 0)
-    outcome = Outcome(status="ok", ranks=ranks, exit_codes=codes, wall_s=wall_s,
-                      stderr_tail=_tail(workdir / f"rank{failing_rank}.log"))
+    tail = _tail(workdir / f"rank{failing_rank}.log") if errors or not timed_out else "\n".join(
+        f"--- rank {r} ---\n{_tail(workdir / f'rank{r}.log', STDERR_TAIL_LINES // case.world_size)}"
+        for r in range(case.world_size))
+    outcome = Outcome(status="ok", ranks=ranks, exit_codes=codes, wall_s=wall_s, stderr_tail=tail)
     if timed_out:
         outcome.status = "timeout"
         step = (workdir / "progress").read_text() if (workdir / "progress").exists() else "before the first step"

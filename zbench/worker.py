@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -75,6 +77,7 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def main(argv: list[str]) -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's "where are you stuck?" before a timeout kill
     case_path, workdir = Path(argv[0]), Path(argv[1])
     case = json.loads(case_path.read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

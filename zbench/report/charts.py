@@ -26,14 +26,22 @@ def step_time_chart(records: list[dict]) -> str:
 
 def memory_chart(records: list[dict]) -> str:
     ok = [r for r in records if r["status"] == "ok"]
+    fig = go.Figure(go.Bar(x=[r["case_id"] for r in ok], y=[r["memory"]["peak_bytes"] / 2**20 for r in ok],
+                           text=[r["memory"]["kind"] for r in ok], textposition="outside"))
+    fig.update_layout(title="Peak memory per rank (MiB; CUDA allocator on GPU, resident set on CPU)",
+                      yaxis_title="MiB", **LAYOUT)
+    return _fragment(fig)
+
+
+def model_state_chart(records: list[dict]) -> str:
+    ok = [r for r in records if r["status"] == "ok"]
     ids = [r["case_id"] for r in ok]
-    mib = 1 / 2**20
     fig = go.Figure([
-        go.Bar(x=ids, y=[r["memory"]["peak_bytes"] * mib for r in ok], name="peak memory per rank"),
-        go.Bar(x=ids, y=[r["model_state"]["measured_total"] * mib for r in ok], name="model state (measured)"),
-        go.Bar(x=ids, y=[r["model_state"]["expected_total"] * mib for r in ok], name="model state (ZeRO formula)"),
+        go.Bar(x=ids, y=[r["model_state"]["measured_total"] / 2**20 for r in ok], name="measured"),
+        go.Bar(x=ids, y=[r["model_state"]["expected_total"] / 2**20 for r in ok], name="ZeRO formula"),
     ])
-    fig.update_layout(title="Memory per rank (MiB)", yaxis_title="MiB", barmode="group", **LAYOUT)
+    fig.update_layout(title="Model state per rank (MiB): parameters + gradients + optimizer state + master weights",
+                      yaxis_title="MiB", barmode="group", **LAYOUT)
     return _fragment(fig)
 
 

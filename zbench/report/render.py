@@ -34,7 +34,7 @@ def render(run: RunDir, report_dir: Path) -> Path:
         run=run.run_info(), records=records, tolerances=TOLERANCE,
         counts={s: sum(r["status"] == s for r in records) for s in ("ok", "skipped", "error", "oom", "timeout")},
         not_equivalent=sum(1 for r in records if r["status"] == "ok" and not r.get("equivalence", {}).get("equivalent")),
-        charts=[Markup(c(records)) for c in (charts.step_time_chart, charts.memory_chart, charts.loss_chart)] if has_ok else [],
+        charts=[Markup(c(records)) for c in (charts.step_time_chart, charts.memory_chart, charts.model_state_chart, charts.loss_chart)] if has_ok else [],
         plotly_js=_plotly_js() if has_ok else "")
     out = Path(report_dir) / "index.html"
     atomic_write_bytes(out, page.encode())

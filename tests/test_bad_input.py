@@ -1,0 +1,72 @@
+"""Every kind of bad input is one line on stderr naming the problem, exit code 2, no traceback (real CLI runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import zbench_many
+
+GOOD = "models: [tiny]\nimplementations: [ddp]\nworld_sizes: [2]\ndevice: cpu\n"
+
+# (test id, suite text or None for "no file", extra CLI args, text the one line must contain)
+CASES = [
+    ("missing-file", None, [], "suite file not found"),
+    ("malformed-yaml", "models: [tiny\nimplementations: ddp\n", [], "malformed YAML"),
+    ("not-a-mapping", "- just\n- a list\n", [], "must be a YAML mapping"),
+    ("unknown-key", GOOD + "stepz: 3\n", [], "unknown key 'stepz'"),
+    ("unknown-implementation", GOOD.replace("[ddp]", "[zero9]"), [], "unknown implementation 'zero9'"),
+    ("bad-import-path", GOOD.replace("[ddp]", "['no_such_pkg.mod:Thing']"), [], "cannot import implementation"),
+    ("unknown-model", GOOD.replace("[tiny]", "[huge]"), [], "unknown model 'huge'"),
+    ("stage-out-of-range", GOOD.replace("[ddp]", "[{name: ddp, stages: [4]}]"), [], "stages.0"),
+    ("stage-zero", GOOD.replace("[ddp]", "[{name: ddp, stages: [0]}]"), [], "greater than or equal to 1"),
+    ("world-size-zero", GOOD.replace("[2]", "[0]"), [], "world_sizes.0"),
+    ("steps-zero", GOOD + "steps: 0\n", [], "steps"),
+    ("bad-precision", GOOD + "precisions: [fp8]\n", [], "'fp32', 'bf16' or 'fp16'"),
+    ("bad-device", GOOD.replace("device: cpu", "device: tpu"), [], "'auto', 'cpu' or 'cuda'"),
+    ("missing-models", "implementations: [ddp]\nworld_sizes: [2]\n", [], "missing required key 'models'"),
+    ("more-gpus-than-present", GOOD.replace("device: cpu", "device: cuda"), [], "cuda"),
+]
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    invocations = []
+    for name, text, extra, _ in CASES:
+        path = tmp / f"{name}.yaml"
+        if text is not None:
+            path.write_text(text)
+        invocations.append(["run", str(path), "--results", str(tmp / "results"), *extra])
+    invocations += [
+        ["compare", "ddp", "torch_zero", "--gpus", "8"],
+        ["compare", "ddp", "nope", "--device", "cpu"],
+        ["compare", "ddp"],
+        ["run"],
+        ["frobnicate"],
+        ["compare", "ddp", "fsdp", "--device", "cpu", "--model", "huge"],
+    ]
+    results = zbench_many(invocations)
+    return dict(zip([c[0] for c in CASES] + ["gpus-8", "compare-unknown", "compare-missing-arg", "run-no-suite",
+                                             "unknown-command", "compare-unknown-model"], results)), tmp
+
+
+EXPECT = {c[0]: c[3] for c in CASES} | {
+    "gpus-8": "cuda", "compare-unknown": "unknown implementation 'nope'", "compare-missing-arg": "Missing argument",
+    "run-no-suite": "Missing argument", "unknown-command": "No such command", "compare-unknown-model": "unknown model 'huge'"}
+
+
+@pytest.mark.parametrize("name", list(EXPECT))
+def test_one_clear_line_and_exit_2(answers, name):
+    results, tmp = answers
+    r = results[name]
+    assert r.returncode == 2, (name, r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("zbench: error:")
+    assert EXPECT[name].lower() in lines[0].lower(), lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_input_writes_no_results(answers):
+    _, tmp = answers
+    assert not (tmp / "results").exists()

@@ -1,0 +1,193 @@
+"""One real suite run (CPU, gloo, world 2) through the CLI, then everything it wrote is checked.
+
+The suite mixes real implementations with deliberately broken ones so that a
+single launch of the CLI covers: equivalence passing and failing, a crashing
+rank, an out-of-memory rank, a hung collective (timeout), a skipped
+combination, result files, the pandas loader and the HTML report.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from tests.conftest import zbench
+from zbench import store
+
+FAULTY = "tests.plugins.faulty:FAULTY"
+SUITE = f"""
+name: integration
+description: real implementations next to broken ones
+device: cpu
+models: tiny
+world_sizes: 2
+steps: 8
+warmup_steps: 2
+timeout_s: 20
+precisions: [fp32, fp16]
+implementations:
+  - ddp
+  - fsdp
+  - torch_zero
+  - {{name: "{FAULTY}", options: {{fault: unsynced}}}}
+  - {{name: "{FAULTY}", options: {{fault: crash}}}}
+  - {{name: "{FAULTY}", options: {{fault: oom}}}}
+  - {{name: "{FAULTY}", options: {{fault: hang}}}}
+"""
+
+
+@pytest.fixture(scope="module")
+def suite_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("suite")
+    (tmp / "suite.yaml").write_text(SUITE)
+    result = zbench("run", str(tmp / "suite.yaml"), "--results", str(tmp / "results"), "--report", str(tmp / "report"))
+    runs = list((tmp / "results").iterdir())
+    assert len(runs) == 1, result.stderr
+    return result, tmp, runs[0]
+
+
+def cases(run_dir: Path) -> dict[str, dict]:
+    return {c["config"]["implementation"] + ":" + str(c["config"]["options"].get("fault", "")) + ":" + c["config"]["precision"]: c
+            for c in map(lambda p: json.loads(p.read_text()), (run_dir / "cases").glob("*.json"))}
+
+
+def test_exit_code_is_1_because_broken_cases_fail(suite_run):
+    result, _, _ = suite_run
+    assert result.returncode == 1, result.stderr
+    assert "failed or diverged from DDP" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_progress_names_every_case(suite_run):
+    result, _, run_dir = suite_run
+    total = len(list((run_dir / "cases").glob("*.json")))
+    for i in range(1, total + 1):
+        assert f"[{i}/{total}]" in result.stderr
+
+
+def test_real_implementations_are_ok_and_equivalent(suite_run):
+    _, _, run_dir = suite_run
+    c = cases(run_dir)
+    for key in ("ddp::fp32", "fsdp::fp32", "torch_zero::fp32"):
+        case = c[key]
+        assert case["status"] == "ok", case.get("error")
+        eq = case["equivalence"]
+        assert eq["equivalent"] is True, eq
+        assert eq["max_rel_loss_diff"] <= 1e-5 and eq["max_rel_param_diff"] <= 1e-5
+        assert len(case["steps"]) == 8 and sum(s["warmup"] for s in case["steps"]) == 2
+        assert case["summary"]["step_time_median_s"] > 0
+        assert case["ratio_to_ddp"] > 0
+        assert case["memory"]["kind"] == "rss" and case["memory"]["peak_bytes"] > 10 * 2**20
+        assert case["schema_version"] == store.SCHEMA_VERSION
+
+
+def test_loss_actually_falls(suite_run):
+    _, _, run_dir = suite_run
+    steps = cases(run_dir)["ddp::fp32"]["steps"]
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.05
+
+
+def test_broken_implementation_is_caught(suite_run):
+    _, _, run_dir = suite_run
+    case = cases(run_dir)[f"{FAULTY}:unsynced:fp32"]
+    assert case["status"] == "ok"
+    assert case["equivalence"]["equivalent"] is False
+    assert case["equivalence"]["max_rel_param_diff"] > 1e-5
+    assert "differ from tiny-ddp" in case["equivalence"]["reason"]
+
+
+@pytest.mark.parametrize("fault, status, text", [
+    ("crash", "error", "injected failure on purpose"),
+    ("oom", "oom", "allocate"),
+    ("hang", "timeout", "timed out after 20 s"),
+])
+def test_failures_are_recorded_and_the_suite_goes_on(suite_run, fault, status, text):
+    _, _, run_dir = suite_run
+    case = cases(run_dir)[f"{FAULTY}:{fault}:fp32"]
+    assert case["status"] == status
+    assert text in case["error"]
+    assert case["stderr_tail"]
+
+
+def test_unsupported_combination_is_skipped_with_reason(suite_run):
+    _, _, run_dir = suite_run
+    case = cases(run_dir)["fsdp::fp16"]
+    assert case["status"] == "skipped"
+    assert "precision fp16 not supported" in case["skip_reason"]
+
+
+def test_ddp_fp16_runs_with_loss_scaling(suite_run):
+    _, _, run_dir = suite_run
+    case = cases(run_dir)["ddp::fp16"]
+    assert case["status"] == "ok", case.get("error")
+    assert "loss_scale" in case["steps"][0]
+
+
+def test_model_state_matches_formula(suite_run):
+    _, _, run_dir = suite_run
+    c = cases(run_dir)
+    for key, stage in (("ddp::fp32", 0), ("torch_zero::fp32", 1), ("fsdp::fp32", 3)):
+        state = c[key]["model_state"]
+        assert abs(state["error_rel"]) < 0.02, (key, state["measured"], state["expected"])
+    ddp_total = c["ddp::fp32"]["model_state"]["measured_total"]
+    assert c["fsdp::fp32"]["model_state"]["measured_total"] < 0.55 * ddp_total
+
+
+def test_run_json_records_environment(suite_run):
+    _, _, run_dir = suite_run
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["schema_version"] == store.SCHEMA_VERSION
+    assert info["environment"]["torch"] == torch.__version__
+    assert info["suite"]["name"] == "integration" and len(info["suite"]["sha256"]) == 64
+    assert info["started_at"] and info["ended_at"]
+
+
+def test_no_temporary_files_left(suite_run):
+    _, _, run_dir = suite_run
+    assert not [p for p in run_dir.rglob("*") if p.name.startswith(".")]
+
+
+def test_pandas_loaders(suite_run):
+    _, tmp, run_dir = suite_run
+    df = store.load_cases(tmp / "results")
+    assert isinstance(df, pd.DataFrame)
+    assert set(df["status"]) == {"ok", "error", "oom", "timeout", "skipped"}
+    assert df.loc[(df.implementation == "torch_zero") & (df.precision == "fp32"), "equivalent"].tolist() == [True]
+    steps = store.load_steps(tmp / "results")
+    assert len(steps) == 8 * (df["status"] == "ok").sum()
+    assert {"case_id", "step", "loss", "step_time_s", "warmup"} <= set(steps.columns)
+
+
+def test_report_is_written_and_self_contained(suite_run):
+    _, tmp, _ = suite_run
+    html = (tmp / "report" / "index.html").read_text()
+    assert "tiny-torch_zero-s1-w2-fp32-none" in html
+    assert "NOT EQUIVALENT" in html and "timeout" in html and "skipped" in html
+    assert "Plotly.newPlot" in html
+    assert "<script src=" not in html and "<link " not in html  # nothing fetched from the network
+
+
+def test_report_command_rerenders(suite_run, tmp_path):
+    _, tmp, _ = suite_run
+    result = zbench("report", str(tmp / "results"), "--report", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "index.html").stat().st_size > 100_000
+
+
+def test_resume_runs_only_missing_cases(suite_run, tmp_path):
+    _, tmp, run_dir = suite_run
+    import shutil
+
+    copy = tmp_path / "results"
+    shutil.copytree(run_dir.parent, copy)
+    victim = copy / run_dir.name / "cases" / "tiny-torch_zero-s1-w2-fp32-none.json"
+    victim.unlink()
+    result = zbench("run", str(tmp / "suite.yaml"), "--results", str(copy), "--report", str(tmp_path / "rep"),
+                    "--resume", run_dir.name)
+    assert "already stored" in result.stderr
+    assert result.stderr.count("running on 2 cpu ranks") == 1
+    assert json.loads(victim.read_text())["status"] == "ok"

@@ -1,0 +1,160 @@
+"""Fast in-process tests: models, suite expansion, equivalence arithmetic, formulas, result-store round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from zbench import equivalence, store, suite
+from zbench.formulas import expected_state_bytes
+from zbench.models import GPT, PRESETS, build_model, rank_micro_batches, synthetic_batch
+
+
+# --- models -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_parameter_counts_are_exact(name):
+    with torch.device("meta"):
+        model = GPT(PRESETS[name])
+    assert sum(p.numel() for p in model.parameters()) == PRESETS[name].num_parameters
+
+
+def test_presets_span_tiny_to_70b():
+    assert PRESETS["small"].num_parameters == 3_716_608  # 4 layers, d_model 256, 4 heads, vocab 1024, seq 128
+    assert 69e9 < PRESETS["gpt-70b"].num_parameters < 72e9
+
+
+def test_model_init_is_deterministic_and_seeded():
+    a, b, c = build_model("tiny", seed=1), build_model("tiny", seed=1), build_model("tiny", seed=2)
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), n
+    assert any(not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()))
+
+
+def test_data_is_deterministic_and_split_across_ranks():
+    cfg = PRESETS["tiny"]
+    batch = synthetic_batch(cfg, seed=0, step=3, rows=8)
+    assert torch.equal(batch, synthetic_batch(cfg, seed=0, step=3, rows=8))
+    assert not torch.equal(batch, synthetic_batch(cfg, seed=0, step=4, rows=8))
+    assert batch.shape == (8, cfg.seq + 1) and int(batch.max()) < cfg.vocab
+    shards = [rank_micro_batches(batch, rank=r, world=2, grad_accum=2) for r in range(2)]
+    rows = torch.cat([torch.cat([x for x, _ in s]) for s in shards])
+    assert sorted(map(tuple, rows.tolist())) == sorted(map(tuple, batch[:, :-1].tolist()))
+    x, y = shards[0][0]
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+# --- suites -----------------------------------------------------------------------------------------------
+
+def config(**overrides):
+    return suite.from_dict({"device": "cpu", "models": ["tiny"], "implementations": ["fsdp", "torch_zero"],
+                            "world_sizes": [1, 2], **overrides})
+
+
+def test_cartesian_product_with_ddp_reference_first():
+    cases = suite.expand(config(precisions=["fp32", "bf16"]))
+    assert len(cases) == 2 * 2 * 3
+    groups = {}
+    for c in cases:
+        groups.setdefault(c.reference_key, []).append(c.implementation)
+    assert all(impls[0] == "ddp" and sorted(impls) == ["ddp", "fsdp", "torch_zero"] for impls in groups.values())
+    assert len({c.case_id for c in cases}) == len(cases)
+
+
+def test_unsupported_combinations_are_skipped_not_errors():
+    cases = suite.expand(config(offload=["none", "optimizer"]))
+    skipped = [c for c in cases if c.skip_reason]
+    assert skipped and all("offload optimizer not supported" in c.skip_reason for c in skipped)
+
+
+def test_config_objects_are_frozen():
+    cfg = config()
+    with pytest.raises(Exception):
+        cfg.steps = 3
+    with pytest.raises(Exception):
+        suite.expand(cfg)[0].steps = 3
+
+
+def test_case_round_trips_through_dict():
+    case = suite.expand(config(implementations=[{"name": "fsdp", "options": {"x": 1}}]))[1]
+    assert suite.Case.from_dict(json.loads(json.dumps(case.to_dict()))) == case
+
+
+def test_case_ids_cannot_escape_the_results_directory():
+    case = suite.expand(config(implementations=["tests.plugins.faulty:FAULTY"]))[1]
+    assert "/" not in case.case_id and ":" not in case.case_id and not case.case_id.startswith(".")
+
+
+def test_warmup_must_be_shorter_than_steps():
+    with pytest.raises(Exception, match="warmup_steps"):
+        config(steps=3, warmup_steps=3)
+
+
+# --- equivalence ------------------------------------------------------------------------------------------
+
+def test_loss_and_parameter_differences(tmp_path):
+    ref = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.0, 0.001])}
+    same, off = dict(ref), {"w": torch.tensor([1.0, -2.0001]), "b": ref["b"]}
+    torch.save(ref, tmp_path / "ref.pt")
+    torch.save(same, tmp_path / "same.pt")
+    torch.save(off, tmp_path / "off.pt")
+    ok = equivalence.verdict(losses=[2.0, 1.5], reference_losses=[2.0, 1.5], params_path=tmp_path / "same.pt",
+                             reference_params_path=tmp_path / "ref.pt", precision="fp32", reference_case="r")
+    assert ok["equivalent"] and ok["max_rel_loss_diff"] == 0
+    bad = equivalence.verdict(losses=[2.0, 1.5], reference_losses=[2.0, 1.5], params_path=tmp_path / "off.pt",
+                              reference_params_path=tmp_path / "ref.pt", precision="fp32", reference_case="r")
+    assert not bad["equivalent"] and bad["worst_parameter"] == "w"
+    assert bad["max_rel_param_diff"] == pytest.approx(0.0001 / 2, rel=1e-2)  # -2.0001 is not exact in fp32
+    drift = equivalence.verdict(losses=[2.0, 1.50003], reference_losses=[2.0, 1.5], params_path=tmp_path / "same.pt",
+                                reference_params_path=tmp_path / "ref.pt", precision="fp32", reference_case="r")
+    assert not drift["equivalent"] and "loss" in drift["reason"]
+    missing = equivalence.verdict(losses=[1.0], reference_losses=[1.0], params_path=None,
+                                  reference_params_path=tmp_path / "ref.pt", precision="fp32", reference_case="r")
+    assert not missing["equivalent"]
+
+
+# --- formulas ---------------------------------------------------------------------------------------------
+
+def test_zero_paper_formulas_mixed_precision():
+    psi, n = 1_000_000, 8
+    total = lambda stage: sum(expected_state_bytes(params=psi, world=n, stage=stage, precision="bf16").values())
+    assert total(0) == 16 * psi
+    assert total(1) == pytest.approx(4 * psi + 12 * psi / n)
+    assert total(2) == pytest.approx(2 * psi + 14 * psi / n)
+    assert total(3) == pytest.approx(16 * psi / n)
+
+
+def test_formulas_fp32():
+    by_cat = expected_state_bytes(params=100, world=4, stage=2, precision="fp32")
+    assert by_cat == {"parameters": 400, "gradients": 100, "optimizer_state": 200, "master_weights": 0}
+
+
+# --- store ------------------------------------------------------------------------------------------------
+
+def test_store_round_trip(tmp_path):
+    run = store.RunDir(tmp_path, store.new_run_id())
+    run.start({"suite": {"name": "t"}, "git_sha": "abc"})
+    cfg = suite.expand(config())[0].to_dict()
+    record = {"case_id": cfg["case_id"], "config": cfg, "status": "ok", "summary": {"step_time_median_s": 0.5},
+              "steps": [{"step": i, "loss": 2.0 - i, "step_time_s": 0.5, "warmup": i == 0} for i in range(3)]}
+    run.write_case(record)
+    run.finish()
+    back = run.cases()[0]
+    assert back["schema_version"] == store.SCHEMA_VERSION and back["run_id"] == run.run_id
+    assert back["steps"] == record["steps"]
+    assert run.run_info()["ended_at"]
+    df = store.load_cases(tmp_path)
+    assert df.loc[0, "case_id"] == cfg["case_id"] and df.loc[0, "step_time_median_s"] == 0.5
+    steps = store.load_steps(tmp_path)
+    assert steps["loss"].tolist() == [2.0, 1.0, 0.0] and steps["warmup"].tolist() == [True, False, False]
+    assert store.latest_run(tmp_path).run_id == run.run_id
+
+
+def test_atomic_write_replaces_whole_file(tmp_path):
+    target = tmp_path / "x.json"
+    store.atomic_write_json(target, {"a": 1})
+    store.atomic_write_json(target, {"a": 2})
+    assert json.loads(target.read_text()) == {"a": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
