@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -160,9 +159,8 @@ def env_cmd(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 
 def _is_click_usage_error(exc: Exception) -> bool:
-    """Click's usage errors, whether from click itself or the copy typer vendors (exit code 2, ``format_message``)."""
-    return isinstance(exc, click.UsageError) or (
-        getattr(exc, "exit_code", None) == 2 and callable(getattr(exc, "format_message", None)))
+    """Click's usage errors (typer vendors its own click, so they are recognised by shape: exit code 2, ``format_message``)."""
+    return getattr(exc, "exit_code", None) == 2 and callable(getattr(exc, "format_message", None))
 
 
 def main(argv: list[str] | None = None) -> None:
