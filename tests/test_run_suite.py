@@ -37,6 +37,7 @@ implementations:
   - {{name: "{FAULTY}", options: {{fault: crash}}}}
   - {{name: "{FAULTY}", options: {{fault: oom}}}}
   - {{name: "{FAULTY}", options: {{fault: hang}}}}
+  - {{name: "{FAULTY}", options: {{fault: sigkill}}}}
 """
 
 
@@ -104,6 +105,7 @@ def test_broken_implementation_is_caught(suite_run):
     ("crash", "error", "injected failure on purpose"),
     ("oom", "oom", "allocate"),
     ("hang", "timeout", "timed out after 20 s"),
+    ("sigkill", "error", "rank 1 killed by signal SIGKILL"),
 ])
 def test_failures_are_recorded_and_the_suite_goes_on(suite_run, fault, status, text):
     _, _, run_dir = suite_run
@@ -111,6 +113,18 @@ def test_failures_are_recorded_and_the_suite_goes_on(suite_run, fault, status, t
     assert case["status"] == status
     assert text in case["error"]
     assert case["stderr_tail"]
+
+
+def test_timeout_leaves_no_orphan_rank(suite_run):
+    import psutil
+
+    _, _, run_dir = suite_run
+    case = cases(run_dir)[f"{FAULTY}:hang:fp32"]
+    assert len(case["rank_pids"]) == 2
+    for pid in case["rank_pids"]:
+        alive = psutil.pid_exists(pid) and "zbench.worker" in " ".join(psutil.Process(pid).cmdline())
+        assert not alive, f"rank pid {pid} survived its case's timeout"
+    assert "Thread" in case["stderr_tail"] or "File " in case["stderr_tail"]  # the stacks dumped before the kill
 
 
 def test_unsupported_combination_is_skipped_with_reason(suite_run):

@@ -24,6 +24,8 @@ from zbench.suite import Case
 PEER_GRACE_S = 10.0
 POLL_S = 0.2
 STACK_DUMP_WAIT_S = 1.0
+#: A free port can be taken by another program between choosing and binding it; then the case is relaunched.
+PORT_ATTEMPTS = 3
 STDERR_TAIL_LINES = 40
 
 
@@ -36,6 +38,7 @@ class Outcome:
     exit_codes: list[int | None] = field(default_factory=list)
     wall_s: float = 0.0
     params_path: Path | None = None
+    pids: list[int] = field(default_factory=list)
 
 
 def free_port() -> int:
@@ -112,7 +115,16 @@ def _describe_exit(code: int | None) -> str:
 
 
 def run_case(case: Case, workdir: Path, *, on_progress: Callable[[str], None] = lambda _: None) -> Outcome:
-    """Launch the case's ranks, wait for them (at most ``case.timeout_s``), and classify the result."""
+    """Launch the case's ranks and classify the result; relaunch when the rendezvous port was taken meanwhile."""
+    for attempt in range(PORT_ATTEMPTS):
+        attempt_dir = workdir / f"attempt{attempt}"
+        outcome = _run_once(case, attempt_dir, on_progress)
+        if outcome.status != "error" or "address already in use" not in outcome.stderr_tail.lower():
+            return outcome
+    return outcome
+
+
+def _run_once(case: Case, workdir: Path, on_progress: Callable[[str], None]) -> Outcome:
     workdir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     procs = _spawn(case, workdir, free_port())
@@ -137,7 +149,9 @@ def run_case(case: Case, workdir: Path, *, on_progress: Callable[[str], None] = 
             time.sleep(POLL_S)
     finally:
         kill_group(procs)
-    return _classify(case, workdir, procs, timed_out, time.monotonic() - start)
+    outcome = _classify(case, workdir, procs, timed_out, time.monotonic() - start)
+    outcome.pids = [p.pid for p in procs]
+    return outcome
 
 
 def _classify(case: Case, workdir: Path, procs: list[subprocess.Popen], timed_out: bool, wall_s: float) -> Outcome:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from zbench.console import Progress
 from zbench.errors import UsageError
 from zbench.launch import run_case
 from zbench.record import case_record, skipped_record
-from zbench.store import RunDir, atomic_write_bytes, new_run_id, now
+from zbench.store import RunDir, RunLock, RunLocked, atomic_write_bytes, new_run_id, now
 from zbench.suite import Case, Suite
 
 FAILED = ("error", "oom", "timeout")
@@ -48,8 +49,33 @@ def prepare_run(results_root: Path, resume: str | None) -> RunDir:
     return run
 
 
+#: Refuse to start a run with less free space than this where results go.
+MIN_FREE_BYTES = 64 * 2**20
+
+
+def check_free_space(path: Path) -> None:
+    free = shutil.disk_usage(path).free
+    if free < MIN_FREE_BYTES:
+        raise UsageError(f"results directory {path} has only {free / 2**20:.0f} MiB free; "
+                         f"zbench needs at least {MIN_FREE_BYTES / 2**20:.0f} MiB")
+
+
 def run_suite(suite: Suite, *, results_root: Path, resume: str | None = None, progress: Progress) -> RunResult:
+    """Run (or, with ``resume``, complete) a suite; a failure to store results stops it with a ``UsageError``."""
     run = prepare_run(results_root, resume)
+    check_free_space(run.path)
+    try:
+        with RunLock(run):
+            return _run_cases(suite, run, resume, progress)
+    except RunLocked as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        stored = len(run.stored_case_ids()) if run.cases_dir.exists() else 0
+        raise UsageError(f"cannot write results under {run.path}: {exc.strerror or exc}; "
+                         f"{stored} case(s) stored so far, complete with --resume {run.run_id}") from None
+
+
+def _run_cases(suite: Suite, run: RunDir, resume: str | None, progress: Progress) -> RunResult:
     run.start({"suite": {"name": suite.config.name, "path": suite.path, "sha256": suite.sha256,
                          "config": suite.config.model_dump()},
                "environment": environment.collect(), "git_sha": environment.git_sha(),
@@ -75,6 +101,8 @@ def _run_guarded(case: Case, run: RunDir, records: dict[str, dict], index: int, 
     """Run a case; a bug in the harness's own handling of it is recorded as that case's error, not a dead suite."""
     try:
         return _run_one(case, run, records, index, progress)
+    except OSError:
+        raise  # the results cannot be stored (disk full, read-only): stop the run, not just this case
     except Exception as exc:
         import traceback
 

@@ -102,6 +102,8 @@ class RunDir:
     def start(self, run_info: dict) -> None:
         self.cases_dir.mkdir(parents=True, exist_ok=True)
         self.params_dir.mkdir(parents=True, exist_ok=True)
+        for stale in [*self.cases_dir.glob(".*.tmp"), *self.params_dir.glob(".*.tmp")]:
+            stale.unlink()  # half-written by a harness that was killed; never a result
         if not (self.path / "run.json").exists():
             self.write_run({**run_info, "started_at": now()})
 
@@ -178,3 +180,36 @@ def load_steps(results: Path):
                 rows.append({"run_id": run.run_id, "case_id": case["case_id"],
                              **{k: case["config"][k] for k in CASE_COLUMNS}, "status": case["status"], **s})
     return pd.DataFrame(rows)
+
+
+class RunLocked(Exception):
+    """Another zbench process is writing this run."""
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<run>/.lock`` for as long as a process writes the run (released if it dies)."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.path = run.path / ".lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> "RunLock":
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunLocked(f"run {self.path.parent.name} is being written by another zbench process (pid {holder})") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self.path.unlink(missing_ok=True)

@@ -76,7 +76,19 @@ def is_oom(exc: BaseException) -> bool:
             or "can't allocate memory" in text)  # the CPU allocator's wording
 
 
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank if the harness dies (e.g. it is itself SIGKILLed): no orphaned ranks."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the harness died before we asked
+            os._exit(1)
+
+
 def main(argv: list[str]) -> int:
+    die_with_parent()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's "where are you stuck?" before a timeout kill
     case_path, workdir = Path(argv[0]), Path(argv[1])
     case = json.loads(case_path.read_text())

@@ -4,11 +4,13 @@
 ``fault: unsynced`` forgets to average one parameter's gradient across ranks
 (a classic hook bug: training goes on, quietly wrong); ``crash`` raises on
 rank 1; ``oom`` asks for an impossible allocation; ``hang`` leaves rank 1
-asleep so rank 0 blocks in a collective; ``slow`` sleeps ``slow_s`` per step.
+asleep so rank 0 blocks in a collective; ``sigkill`` kills rank 1 by a signal; ``slow`` sleeps ``slow_s`` per step.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import torch
@@ -63,6 +65,8 @@ class FaultyEngine(DDPEngine):
                 torch.empty(2**62, dtype=torch.uint8)
             if self.fault == "hang":
                 time.sleep(3600)
+            if self.fault == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
         if self.fault == "slow":
             time.sleep(float(self.spec.options.get("slow_s", 0.01)))
         return super().step(micro_batches)
