@@ -25,6 +25,18 @@ CASES = [
     ("bad-device", GOOD.replace("device: cpu", "device: tpu"), [], "'auto', 'cpu' or 'cuda'"),
     ("missing-models", "implementations: [ddp]\nworld_sizes: [2]\n", [], "missing required key 'models'"),
     ("more-gpus-than-present", GOOD.replace("device: cpu", "device: cuda"), [], "cuda"),
+    ("warmup-not-below-steps", GOOD + "steps: 3\nwarmup_steps: 3\n", [], "warmup_steps"),
+    ("negative-timeout", GOOD + "timeout_s: -1\n", [], "timeout_s"),
+    ("seq-len-too-long", GOOD + "seq_len: 4096\n", [], "exceeds model 'tiny'"),
+    ("unknown-optimizer", GOOD + "optimizer: {name: lamb}\n", [], "'adamw' or 'sgd'"),
+    ("negative-lr", GOOD + "optimizer: {lr: -0.1}\n", [], "optimizer.lr"),
+    ("unknown-optimizer-key", GOOD + "optimizer: {lr: 0.1, beta: 3}\n", [], "unknown key 'optimizer.beta'"),
+    ("micro-batch-zero", GOOD + "micro_batch: 0\n", [], "micro_batch"),
+    ("bad-offload", GOOD + "offload: [disk]\n", [], "offload.0"),
+    ("empty-file", "", [], "must be a YAML mapping"),
+    ("steps-not-a-number", GOOD + "steps: many\n", [], "valid integer"),
+    ("resume-unknown-run", GOOD, ["--resume", "nope"], "no such run"),
+    ("results-not-a-directory", GOOD, ["--results", "/dev/null/x"], "not writable"),
 ]
 
 
@@ -36,7 +48,8 @@ def answers(tmp_path_factory):
         path = tmp / f"{name}.yaml"
         if text is not None:
             path.write_text(text)
-        invocations.append(["run", str(path), "--results", str(tmp / "results"), *extra])
+        results = [] if "--results" in extra else ["--results", str(tmp / "results")]
+        invocations.append(["run", str(path), *results, *extra])
     invocations += [
         ["compare", "ddp", "torch_zero", "--gpus", "8"],
         ["compare", "ddp", "nope", "--device", "cpu"],
@@ -44,15 +57,23 @@ def answers(tmp_path_factory):
         ["run"],
         ["frobnicate"],
         ["compare", "ddp", "fsdp", "--device", "cpu", "--model", "huge"],
+        ["compare", "ddp", "fsdp", "--device", "cpu", "--steps", "0"],
+        ["run", "x.yaml", "--bogus-flag"],
     ]
     results = zbench_many(invocations)
     return dict(zip([c[0] for c in CASES] + ["gpus-8", "compare-unknown", "compare-missing-arg", "run-no-suite",
-                                             "unknown-command", "compare-unknown-model"], results)), tmp
+                                             "unknown-command", "compare-unknown-model", "compare-zero-steps",
+                                             "unknown-flag"], results)), tmp
 
 
 EXPECT = {c[0]: c[3] for c in CASES} | {
     "gpus-8": "cuda", "compare-unknown": "unknown implementation 'nope'", "compare-missing-arg": "Missing argument",
-    "run-no-suite": "Missing argument", "unknown-command": "No such command", "compare-unknown-model": "unknown model 'huge'"}
+    "run-no-suite": "Missing argument", "unknown-command": "No such command", "compare-unknown-model": "unknown model 'huge'",
+    "compare-zero-steps": "steps", "unknown-flag": "No such option"}
+
+
+def test_the_table_is_big_enough():
+    assert len(EXPECT) >= 25
 
 
 @pytest.mark.parametrize("name", list(EXPECT))
