@@ -84,6 +84,32 @@ def compare(
         raise typer.Exit(1)
 
 
+@app.command()
+def check(
+    results: Annotated[Path, typer.Argument(help="The candidate: a results directory (its newest run) or one run's directory.")] = Path("results"),
+    baseline: Annotated[str, typer.Option(help="'latest' (the newest earlier run of the same suite on this machine), "
+                                               "or a run directory, or a results directory (its newest run).")] = "latest",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
+    markdown: Annotated[Optional[Path], typer.Option(help="Also write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
+    time_threshold: Annotated[Optional[float], typer.Option(help="Minimum step-time growth in percent (default: the suite's, else 5).")] = None,
+    memory_threshold: Annotated[Optional[float], typer.Option(help="Minimum memory growth in percent (default: the suite's, else 2).")] = None,
+) -> None:
+    """Gate a run against a baseline from the same machine: exit 1 on any regression or failed case, else 0."""
+    from zbench import check as check_mod
+
+    outcome = check_mod.run(results, baseline, time_pct=time_threshold, memory_pct=memory_threshold)
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        with open(markdown, "a") as f:
+            f.write(check_mod.markdown(outcome))
+    if as_json:
+        print(json.dumps(outcome.as_json(), indent=1))
+    else:
+        check_mod.print_text(outcome, _stdout())
+    if outcome.failed:
+        raise typer.Exit(1)
+
+
 @app.command("report")
 def report_cmd(
     results: Annotated[Path, typer.Argument(help="A results directory (its newest run is shown) or one run's directory.")] = Path("results"),

@@ -51,6 +51,15 @@ class OptimizerConfig(_Frozen):
     momentum: float = Field(0.0, ge=0, lt=1)
 
 
+class RegressionConfig(_Frozen):
+    """Thresholds ``zbench check`` applies to this suite's runs (see ``zbench.regress.Thresholds``)."""
+
+    time_pct: float = Field(5.0, gt=0)
+    memory_pct: float = Field(2.0, gt=0)
+    memory_floor_bytes: int = Field(1 << 20, ge=0)
+    p_value: float = Field(0.01, gt=0, lt=1)
+
+
 class ImplementationEntry(_Frozen):
     """An implementation with settings: ``{name: zero3, options: {prefetch: 2}}``."""
 
@@ -81,6 +90,7 @@ class SuiteConfig(_Frozen):
     optimizer: OptimizerConfig = OptimizerConfig()
     grad_clip: float | None = Field(None, gt=0)
     nvme_dir: str | None = None
+    regression: RegressionConfig = RegressionConfig()
 
     @field_validator("models")
     @classmethod
@@ -204,6 +214,8 @@ def _allowed_keys(loc: tuple) -> list[str]:
     model: type[BaseModel] = SuiteConfig
     if loc and loc[0] == "optimizer":
         model = OptimizerConfig
+    elif loc and loc[0] == "regression":
+        model = RegressionConfig
     elif loc and loc[0] == "implementations":
         model = ImplementationEntry
     return list(model.model_fields)
