@@ -136,3 +136,25 @@ def test_check_without_any_baseline_is_bad_input(three_runs):
     base, _, _ = three_runs
     r = zbench("check", str(base))
     assert r.returncode == 2 and "no baseline" in r.stderr
+
+
+def test_report_draws_history_with_the_regression_marked(three_runs, tmp_path):
+    import shutil
+
+    history = tmp_path / "history"
+    for run in three_runs:
+        shutil.copytree(run, history / run.name)
+    r = zbench("report", str(history), "--report", str(tmp_path / "rep"))
+    assert r.returncode == 0, r.stderr
+    html = (tmp_path / "rep" / "index.html").read_text()
+    assert "History (3 runs of this suite on this machine)" in html
+    assert "Regressions against the run before" in html and "FAULTY" in html.split("Regressions against")[1][:2000]
+
+
+def test_history_loader_keys_points_by_commit(three_runs, tmp_path):
+    from zbench.history import case_history
+
+    series = case_history([RunDir(r.parent, r.name) for r in three_runs])
+    slow = next(v for k, v in series.items() if "FAULTY" in k)
+    assert len(slow) == 3 and slow[1].regressed == ["step_time"] and not slow[0].regressed
+    assert all(p.label for p in slow)

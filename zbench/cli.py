@@ -44,7 +44,7 @@ def run(
 
     suite = suite_mod.load(suite_file)
     result = run_suite(suite, results_root=results, resume=resume, progress=Progress())
-    page = render(result.run, report)
+    page = render(result.run, report, results_root=results)
     err = stderr_console()
     err.print(Text(f"results: {result.run.path}\nreport:  {page}"))
     if result.failed:
@@ -122,7 +122,7 @@ def report_cmd(
     run = latest_run(results)
     if run is None:
         raise UsageError(f"{results}: no runs found (expected <dir>/<run-id>/run.json)")
-    page = render(run, report)
+    page = render(run, report, results_root=results)
     Console(stderr=True, highlight=False).print(Text(f"report: {page} (run {run.run_id})"))
 
 

@@ -52,3 +52,19 @@ def loss_chart(records: list[dict]) -> str:
     fig.update_layout(title="Loss per step (every implementation should lie on DDP's curve)",
                       xaxis_title="step", yaxis_title="loss", **LAYOUT)
     return _fragment(fig)
+
+
+def trend_chart(series: dict) -> str:
+    """Median step time per case over runs; runs that regressed against the one before are marked."""
+    fig = go.Figure()
+    for case_id, points in series.items():
+        fig.add_trace(go.Scatter(x=[p.label for p in points], y=[p.step_time_median_s * 1e3 for p in points],
+                                 mode="lines+markers", name=case_id))
+        bad = [p for p in points if p.regressed]
+        if bad:
+            fig.add_trace(go.Scatter(x=[p.label for p in bad], y=[p.step_time_median_s * 1e3 for p in bad],
+                                     mode="markers", marker=dict(symbol="x", size=14, color="red"),
+                                     name=f"{case_id}: regressed", text=[", ".join(p.regressed) for p in bad]))
+    fig.update_layout(title="History: median step time (ms) per run of this suite on this machine; x marks a regression",
+                      yaxis_title="ms", **LAYOUT)
+    return _fragment(fig)

@@ -9,6 +9,7 @@ from markupsafe import Markup
 
 from zbench.console import fmt_bytes, fmt_ratio, fmt_seconds, status_text
 from zbench.equivalence import TOLERANCE
+from zbench.history import case_history, runs_like
 from zbench.report import charts
 from zbench.store import RunDir, atomic_write_bytes
 
@@ -24,9 +25,11 @@ def _plotly_js() -> Markup:
     return Markup(get_plotlyjs())
 
 
-def render(run: RunDir, report_dir: Path) -> Path:
-    """Write ``report_dir/index.html`` for ``run`` and return its path."""
+def render(run: RunDir, report_dir: Path, *, results_root: Path | None = None) -> Path:
+    """Write ``report_dir/index.html`` for ``run`` (with trends when ``results_root`` holds earlier runs)."""
     records = run.cases()
+    runs = runs_like(results_root, run) if results_root is not None else [run]
+    series = case_history(runs) if len(runs) > 1 else {}
     order = {c: i for i, c in enumerate(run.run_info().get("case_order", []))}
     records.sort(key=lambda r: order.get(r["case_id"], len(order)))
     has_ok = any(r["status"] == "ok" for r in records)
@@ -35,7 +38,9 @@ def render(run: RunDir, report_dir: Path) -> Path:
         counts={s: sum(r["status"] == s for r in records) for s in ("ok", "skipped", "error", "oom", "timeout")},
         not_equivalent=sum(1 for r in records if r["status"] == "ok" and not r.get("equivalence", {}).get("equivalent")),
         charts=[Markup(c(records)) for c in (charts.step_time_chart, charts.memory_chart, charts.model_state_chart, charts.loss_chart)] if has_ok else [],
-        plotly_js=_plotly_js() if has_ok else "")
+        trend=Markup(charts.trend_chart(series)) if series else "", history_runs=len(runs),
+        regressions=[(case_id, p) for case_id, points in series.items() for p in points if p.regressed],
+        plotly_js=_plotly_js() if has_ok or series else "")
     out = Path(report_dir) / "index.html"
     atomic_write_bytes(out, page.encode())
     return out
