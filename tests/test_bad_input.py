@@ -59,17 +59,20 @@ def answers(tmp_path_factory):
         ["compare", "ddp", "fsdp", "--device", "cpu", "--model", "huge"],
         ["compare", "ddp", "fsdp", "--device", "cpu", "--steps", "0"],
         ["run", "x.yaml", "--bogus-flag"],
+        ["plan", "--gpus", "8"],
+        ["plan", "--model", "gpt-7x"],
     ]
     results = zbench_many(invocations)
     return dict(zip([c[0] for c in CASES] + ["gpus-8", "compare-unknown", "compare-missing-arg", "run-no-suite",
                                              "unknown-command", "compare-unknown-model", "compare-zero-steps",
-                                             "unknown-flag"], results)), tmp
+                                             "unknown-flag", "plan-no-model", "plan-unknown-model"], results)), tmp
 
 
 EXPECT = {c[0]: c[3] for c in CASES} | {
     "gpus-8": "cuda", "compare-unknown": "unknown implementation 'nope'", "compare-missing-arg": "Missing argument",
     "run-no-suite": "Missing argument", "unknown-command": "No such command", "compare-unknown-model": "unknown model 'huge'",
-    "compare-zero-steps": "steps", "unknown-flag": "No such option"}
+    "compare-zero-steps": "steps", "unknown-flag": "No such option",
+    "plan-no-model": "exactly one of --model", "plan-unknown-model": "unknown model 'gpt-7x'"}
 
 
 def test_the_table_is_big_enough():

@@ -110,6 +110,53 @@ def check(
         raise typer.Exit(1)
 
 
+@app.command()
+def plan(
+    model: Annotated[Optional[str], typer.Option(help="Model preset (see `zbench list`).")] = None,
+    params: Annotated[Optional[float], typer.Option(help="Parameter count instead of a preset, e.g. 7e9.")] = None,
+    gpus: Annotated[int, typer.Option(help="Data-parallel GPUs (N in the formulas).")] = 8,
+    gpu_memory: Annotated[Optional[float], typer.Option("--gpu-memory", help="GiB per GPU; shows which combinations fit.")] = None,
+    gpus_per_node: Annotated[Optional[int], typer.Option(help="GPUs sharing one host's memory (default: all).")] = None,
+    precision: Annotated[str, typer.Option(help="bf16/fp16 (mixed: 2+2+12 bytes per parameter) or fp32 (4+4+8).")] = "bf16",
+    reserve: Annotated[float, typer.Option(help="Share of each GPU kept free for activations and buffers.")] = 0.2,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Memory per GPU, per host and on disk for every ZeRO stage x offload mode, from the formulas, before running."""
+    from zbench import plan as plan_mod
+    from zbench.console import fmt_bytes
+    from zbench.models import PRESETS
+
+    if (model is None) == (params is None):
+        raise UsageError("give exactly one of --model NAME or --params N")
+    if model is not None and model not in PRESETS:
+        raise UsageError(f"--model: unknown model {model!r}; allowed: {', '.join(PRESETS)}")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise UsageError(f"--precision: {precision!r} is not one of fp32, bf16, fp16")
+    if gpus < 1 or (params is not None and params < 1) or (gpu_memory is not None and gpu_memory <= 0):
+        raise UsageError("--gpus, --params and --gpu-memory must be positive")
+    if not 0 <= reserve < 1:
+        raise UsageError(f"--reserve: {reserve} is not in [0, 1)")
+    cfg = PRESETS[model] if model else None
+    n = cfg.num_parameters if cfg else int(params)
+    rows = plan_mod.plan(params=n, gpus=gpus, precision=precision, cfg=cfg, reserve=reserve, gpus_per_node=gpus_per_node,
+                         gpu_memory_bytes=gpu_memory * 2**30 if gpu_memory else None)
+    if as_json:
+        print(json.dumps(plan_mod.as_json(rows, model=model, parameters=n, gpus=gpus, precision=precision,
+                                          gpu_memory_gib=gpu_memory, reserve=reserve), indent=1))
+        return
+    table = Table(title=f"{model or 'model'}: {n:,} parameters, {gpus} GPUs, {precision}"
+                        + (f", {gpu_memory:g} GiB per GPU ({reserve:.0%} kept for activations)" if gpu_memory else ""))
+    for col in ("stage / offload", "per GPU", "  model states", "  stage-3 working set", "host per rank",
+                "host per node", "disk per rank", "bytes/param on GPU", "fits"):
+        table.add_column(col, justify="right" if col != "stage / offload" else "left")
+    for r in rows:
+        table.add_row(r.name, fmt_bytes(r.device_bytes), fmt_bytes(r.model_state_device_bytes),
+                      fmt_bytes(r.working_set_bytes), fmt_bytes(r.host_bytes_per_rank), fmt_bytes(r.host_bytes_per_node),
+                      fmt_bytes(r.disk_bytes_per_rank), f"{r.model_state_device_bytes / n:.2f}",
+                      {True: "yes", False: "NO", None: "-"}[r.fits])
+    _stdout().print(table)
+
+
 @app.command("report")
 def report_cmd(
     results: Annotated[Path, typer.Argument(help="A results directory (its newest run is shown) or one run's directory.")] = Path("results"),

@@ -40,3 +40,40 @@ def expected_state_bytes(*, params: int, world: int, stage: int, precision: str,
         "optimizer_state": k * params * o_frac,
         "master_weights": (4 * params * o_frac) if master_weights else 0.0,
     }
+
+
+OFFLOAD_MODES = ("none", "optimizer", "optimizer+params", "nvme")
+
+
+def offload_supported(stage: int, offload: str) -> str | None:
+    """Why ``offload`` cannot be combined with ``stage``, or ``None`` (ZeRO-Offload needs a sharded optimizer;
+    parameters can only live off the device when they are partitioned, i.e. at stage 3)."""
+    if offload != "none" and stage == 0:
+        return "offload needs ZeRO (stage 1-3); DDP keeps everything on the device"
+    if offload == "optimizer+params" and stage != 3:
+        return "parameter offload needs stage 3 (partitioned parameters)"
+    return None
+
+
+def placement(*, params: int, world: int, stage: int, precision: str, offload: str, optimizer: str = "adamw",
+              momentum: float = 0.0, master_weights: bool | None = None) -> dict[str, dict[str, float]]:
+    """Predicted bytes per rank by category *and location* (device, host, disk).
+
+    Offload moves the optimizer part (optimizer state and master weights) to the
+    host, or to disk for ``nvme``, and with it the optimizer step, so the
+    gradient *partitions* of stages 2 and 3 live on the host too (ZeRO-Offload;
+    stage 1 still holds full gradients on the device before reducing them).
+    ``optimizer+params`` also moves the partitioned parameters to the host;
+    ``nvme`` at stage 3 puts the partitioned parameters on disk as well
+    (ZeRO-Infinity).
+    """
+    by_cat = expected_state_bytes(params=params, world=world, stage=stage, precision=precision,
+                                  optimizer=optimizer, momentum=momentum, master_weights=master_weights)
+    out = {c: {"device": 0.0, "host": 0.0, "disk": 0.0} for c in by_cat}
+    optim_loc = {"none": "device", "optimizer": "host", "optimizer+params": "host", "nvme": "disk"}[offload]
+    param_loc = {"optimizer+params": "host", "nvme": "disk"}.get(offload, "device") if stage == 3 else "device"
+    grad_loc = "host" if offload != "none" and stage >= 2 else "device"
+    locations = {"optimizer_state": optim_loc, "master_weights": optim_loc, "parameters": param_loc, "gradients": grad_loc}
+    for cat, b in by_cat.items():
+        out[cat][locations[cat]] += b
+    return out
