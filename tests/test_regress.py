@@ -88,10 +88,10 @@ world_sizes: 2
 steps: 20
 warmup_steps: 3
 implementations: [ddp, {name: "tests.plugins.faulty:FAULTY", options: {fault: slow}}]
-# Separate processes minutes apart on a shared 2-core machine drift by more than
-# the 5% default; this test is about the mechanics, so it gates at 30% and
-# injects +25 ms on a ~10 ms step.
-regression: {time_pct: 30}
+# Separate processes minutes apart on a shared 2-core machine drift by far more
+# than the 5% default (40% seen while other work ran); this test is about the
+# mechanics, so it gates at 60% and injects +50 ms on a ~10 ms step.
+regression: {time_pct: 60}
 """
 
 
@@ -101,7 +101,7 @@ def three_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gate")
     (tmp / "gate.yaml").write_text(SUITE)
     runs = []
-    for i, slowdown in enumerate(("0", "0.025", "0")):
+    for i, slowdown in enumerate(("0", "0.05", "0")):
         os.environ["ZBENCH_TEST_SLOWDOWN_S"] = slowdown
         try:
             r = zbench("run", str(tmp / "gate.yaml"), "--results", str(tmp / f"run{i}"), "--report", str(tmp / "rep"))
@@ -127,9 +127,9 @@ def test_slowed_run_fails_the_gate_naming_the_case(three_runs, tmp_path):
 
 def test_unchanged_rerun_passes(three_runs):
     base, _, again = three_runs
-    r = zbench("check", str(again), "--baseline", str(base))
+    r = zbench("check", str(again), "--baseline", str(base), "--json")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "PASS" in r.stdout
+    assert json.loads(r.stdout)["verdict"] == "pass"
 
 
 def test_check_without_any_baseline_is_bad_input(three_runs):

@@ -1,0 +1,87 @@
+"""The four collectives the stages use, over one process group; a world of one needs no group at all."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the first names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Handle(Protocol):
+    def wait(self) -> object: ...
+
+
+class _Done:
+    """The handle of a collective that already finished (synchronous, or a world of one)."""
+
+    def wait(self) -> None:
+        return None
+
+
+DONE: Handle = _Done()
+
+
+class Comm:
+    """This rank's place in the data-parallel group and the collectives over it.
+
+    Flat buffers are laid out rank-major: rank ``r`` owns elements ``[r*S, (r+1)*S)`` of a buffer of
+    ``world*S``, which is exactly what ``reduce_scatter`` writes and ``all_gather`` reads.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        if dist.is_available() and dist.is_initialized():
+            self.group = group if group is not None else dist.group.WORLD
+            self.world = dist.get_world_size(self.group)
+            self.rank = dist.get_rank(self.group)
+        elif group is None:
+            self.group, self.world, self.rank = None, 1, 0
+        else:
+            raise ValueError("a process group was given but torch.distributed is not initialized")
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False) -> Handle:
+        """Sum ``inp`` (``world * out.numel()`` elements) over the group; this rank's slice lands in ``out``.
+
+        ``out`` may be this rank's own slice of ``inp`` (in place).
+        """
+        if self.world == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return DONE
+        work = _reduce_scatter(out, inp, group=self.group, async_op=async_op)
+        return work if async_op else DONE
+
+    def reduce_scatter_upcast(self, out: torch.Tensor, inp: torch.Tensor, *, chunk_numel: int = 2**20) -> None:
+        """``reduce_scatter`` in ``out.dtype`` of an ``inp`` held in another dtype, one column chunk at a time.
+
+        Note: viewing ``inp`` as ``[world, S]``, columns ``[c0, c1)`` of every row are exactly the
+        pieces that reduce to ``out[c0:c1]``, so the up-cast copy never exceeds ``world * chunk_numel``.
+        """
+        rows = inp.view(self.world, -1)
+        for c0 in range(0, out.numel(), chunk_numel):
+            c1 = min(out.numel(), c0 + chunk_numel)
+            chunk = torch.empty((self.world, c1 - c0), dtype=out.dtype, device=out.device)
+            chunk.copy_(rows[:, c0:c1])
+            self.reduce_scatter(out[c0:c1], chunk.view(-1))
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False) -> Handle:
+        """Every rank's ``inp`` concatenated in rank order into ``out``; ``inp`` may be this rank's slice of ``out``."""
+        if self.world == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return DONE
+        work = _all_gather(out, inp, group=self.group, async_op=async_op)
+        return work if async_op else DONE
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier(group=self.group)

@@ -1,0 +1,19 @@
+"""One micro-batch's forward and backward, the same for every stage (and the same arithmetic as the DDP adapter)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from implementations._common import autocast
+from implementations.zero.precision import LossScaler
+from zbench.protocol import MicroBatch, TrainSpec
+
+
+def forward_backward(model: nn.Module, batch: MicroBatch, *, spec: TrainSpec, scaler: LossScaler,
+                     n: int) -> torch.Tensor:
+    """Forward under autocast (a no-op in fp32), backward of the scaled ``loss / n``; returns the unscaled loss."""
+    with autocast(spec):
+        loss = model(*batch)
+    scaler.scale_loss(loss / n).backward()
+    return loss

@@ -1,0 +1,59 @@
+"""The knobs a suite may set for the zero engines: ``{name: zero2, options: {bucket_mb: 8}}``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from zbench.protocol import TrainSpec
+
+_REDUCE_DTYPES = ("fp32", "compute")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroOptions:
+    """Implementation-specific settings, read from ``TrainSpec.options``; every field has a default."""
+
+    bucket_mb: float = 4.0
+    """Stage 2: gradient bucket size in MiB (of the reduce dtype). A bucket is reduce-scattered the
+    moment autograd has produced all of its gradients, overlapping the rest of backward."""
+    prefetch: int = 1
+    """Stage 3: how many blocks ahead to start gathering, in forward and in backward; 0 gathers each
+    block only when it is needed."""
+    reduce_dtype: str = "fp32"
+    """``fp32`` reduces gradients in fp32 whatever the compute dtype (as the FSDP adapter does);
+    ``compute`` reduces them in the compute dtype (half the bytes in bf16/fp16, less accurate)."""
+    initial_loss_scale: float = 2.0**16
+    """fp16: the first loss scale (torch.amp.GradScaler's default)."""
+    loss_scale_growth_interval: int = 2000
+    """fp16: steps without overflow before the scale doubles (GradScaler's default)."""
+
+    def __post_init__(self) -> None:
+        if not self.bucket_mb > 0:
+            raise ValueError(f"zero option bucket_mb must be > 0, got {self.bucket_mb!r}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"zero option prefetch must be an integer >= 0, got {self.prefetch!r}")
+        if self.reduce_dtype not in _REDUCE_DTYPES:
+            raise ValueError(f"zero option reduce_dtype must be one of {_REDUCE_DTYPES}, got {self.reduce_dtype!r}")
+        if not self.initial_loss_scale > 0:
+            raise ValueError(f"zero option initial_loss_scale must be > 0, got {self.initial_loss_scale!r}")
+        if not isinstance(self.loss_scale_growth_interval, int) or self.loss_scale_growth_interval < 1:
+            raise ValueError("zero option loss_scale_growth_interval must be an integer >= 1, "
+                             f"got {self.loss_scale_growth_interval!r}")
+
+    @classmethod
+    def from_spec(cls, spec: TrainSpec) -> ZeroOptions:
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(spec.options) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown zero option(s) {unknown}; allowed: {allowed}")
+        return cls(**spec.options)
+
+    def reduce_dtype_for(self, spec: TrainSpec) -> torch.dtype:
+        return torch.float32 if self.reduce_dtype == "fp32" else spec.compute_dtype
+
+    def bucket_numel(self, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return max(1, int(self.bucket_mb * 2**20) // itemsize)

@@ -1,0 +1,92 @@
+"""ZeRO stage 2: stage 1 plus gradients sharded, reduce-scattered bucket by bucket during backward."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from implementations._common import accumulate
+from implementations.zero import checkpoint
+from implementations.zero.comm import Comm
+from implementations.zero.flat import partition_by_numel
+from implementations.zero.grads import GradBucket
+from implementations.zero.loop import forward_backward
+from implementations.zero.optim import ShardedOptimizer
+from implementations.zero.options import ZeroOptions
+from implementations.zero.params import ReplicatedParams
+from implementations.zero.precision import LossScaler
+from implementations.zero.state import gather_full_parameters, zero_state_bytes
+from zbench.protocol import MicroBatch, TrainSpec
+
+
+class ZeRO2Engine:
+    """Parameters whole on every rank, split into buckets; each rank keeps only its slice of each bucket's gradient.
+
+    Each bucket is its own flat, padded group (``ReplicatedParams``) with a ``GradBucket``: as soon
+    as autograd has produced all of a bucket's gradients they are reduce-scattered asynchronously
+    into this rank's gradient shard while backward goes on, and the full gradients are dropped.
+    Every micro-batch is reduced this way (its full gradients are never kept to accumulate). After
+    the step, each bucket's updated slices are all-gathered in place.
+    """
+
+    stage = 2
+
+    def __init__(self, model: nn.Module, spec: TrainSpec, group) -> None:
+        self.model, self.spec = model, spec
+        self.options = ZeroOptions.from_spec(spec)
+        self.comm = Comm(group)
+        named = list(model.named_parameters())
+        self.names = [name for name, _ in named]
+        reduce_dtype = self.options.reduce_dtype_for(spec)
+        self.groups = [ReplicatedParams(chunk, comm=self.comm, dtype=spec.compute_dtype)
+                       for chunk in partition_by_numel(named, self.options.bucket_numel(reduce_dtype))]
+        self.buckets = []
+        for group_ in self.groups:
+            shard = torch.zeros(group_.layout.shard_numel, dtype=spec.compute_dtype, device=spec.device)
+            bucket = GradBucket(group_.layout, comm=self.comm, reduce_dtype=reduce_dtype, grad_shard=shard)
+            for i, p in enumerate(group_.params):
+                p.register_post_accumulate_grad_hook(bucket.hook(i))
+            self.buckets.append(bucket)
+        self.scaler = LossScaler.for_spec(spec, self.options)
+        self.optimizer = ShardedOptimizer(self.groups, spec=spec, comm=self.comm, scaler=self.scaler)
+
+    def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        for bucket in self.buckets:
+            bucket.begin_step()
+        loss = accumulate(micro_batches, lambda batch, _last: self._forward_backward(batch, len(micro_batches)))
+        if self.optimizer.step([bucket.grad_shard for bucket in self.buckets]):
+            self._all_gather()
+        return loss
+
+    def _forward_backward(self, batch: MicroBatch, n: int) -> torch.Tensor:
+        loss = forward_backward(self.model, batch, spec=self.spec, scaler=self.scaler, n=n)
+        for bucket in self.buckets:
+            bucket.finish()
+        return loss
+
+    def _all_gather(self) -> None:
+        for handle in [group_.all_gather(async_op=True) for group_ in self.groups]:
+            handle.wait()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return gather_full_parameters(self.groups, comm=self.comm, order=self.names)
+
+    def state_bytes(self) -> dict[str, dict[str, int]]:
+        return zero_state_bytes(parameters=self.model.parameters(),
+                                gradients=[p.grad for p in self.model.parameters()] + [b.grad_shard for b in self.buckets],
+                                optimizer=self.optimizer, device=self.spec.device)
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.scaler.metrics(), **self.optimizer.metrics()}
+
+    def save(self, path: str | os.PathLike) -> None:
+        checkpoint.save(path, self.optimizer.state_dict(), comm=self.comm, stage=self.stage,
+                        layouts=[g.layout for g in self.groups])
+
+    def load(self, path: str | os.PathLike) -> None:
+        state = checkpoint.load(path, comm=self.comm, stage=self.stage, layouts=[g.layout for g in self.groups],
+                                device=self.spec.device)
+        self.optimizer.load_state_dict(state)
+        self._all_gather()

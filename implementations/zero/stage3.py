@@ -1,0 +1,148 @@
+"""ZeRO stage 3: parameters sharded too; each block gathered just before its forward and its backward, freed right after."""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import torch
+from torch import nn
+
+from implementations._common import accumulate
+from implementations.zero import checkpoint
+from implementations.zero.comm import Comm
+from implementations.zero.grads import GradBucket
+from implementations.zero.loop import forward_backward
+from implementations.zero.optim import ShardedOptimizer
+from implementations.zero.options import ZeroOptions
+from implementations.zero.params import ShardedParams
+from implementations.zero.precision import LossScaler
+from implementations.zero.state import gather_full_parameters, zero_state_bytes
+from zbench.protocol import MicroBatch, TrainSpec
+
+
+def split_units(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[list[tuple[str, nn.Parameter]]]]:
+    """The root's own parameters and each block's, named as ``model.named_parameters()`` names them.
+
+    Blocks are the entries of ``model.blocks`` when it has one; everything else (embeddings, final
+    norm, head) belongs to the root. A model without ``blocks`` is one unit, gathered whole.
+    """
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    blocks = [[(name_of[id(p)], p) for p in block.parameters()] for block in getattr(model, "blocks", [])]
+    in_blocks = {id(p) for block in blocks for _, p in block}
+    root = [(name, p) for name, p in model.named_parameters() if id(p) not in in_blocks]
+    return root, blocks
+
+
+class ZeRO3Engine:
+    """Every rank keeps only its slice of each unit's parameters, gradients and optimizer state.
+
+    Units are the root (embeddings, final norm, head) and each transformer block, each a flat,
+    padded ``ShardedParams`` with a ``GradBucket``. Module hooks run the schedule:
+
+    - forward: the root is gathered when the model's forward starts and kept until its gradients are
+      reduced at the end of backward (FSDP treats its root the same way); each block is gathered in
+      its forward pre-hook while the next ``prefetch`` blocks' gathers start, and freed after its
+      forward, except the last, whose backward comes next;
+    - backward: a hook on each block's output fires before the block's backward: the block is
+      gathered (usually already prefetched) and the gathers of the ``prefetch`` blocks before it
+      start; once autograd has produced all the block's gradients they are reduce-scattered
+      asynchronously and the gathered parameters are freed.
+
+    Between steps a rank holds shards only; the optimizer writes straight into them, so the next
+    forward's gathers see the updated parameters.
+    """
+
+    stage = 3
+
+    def __init__(self, model: nn.Module, spec: TrainSpec, group) -> None:
+        self.model, self.spec = model, spec
+        self.options = ZeroOptions.from_spec(spec)
+        self.comm = Comm(group)
+        self.names = [name for name, _ in model.named_parameters()]
+        root, blocks = split_units(model)
+        dtype = spec.compute_dtype
+        self.root = ShardedParams(root, comm=self.comm, dtype=dtype) if root else None
+        self.blocks = [ShardedParams(block, comm=self.comm, dtype=dtype) for block in blocks]
+        self.units = ([self.root] if self.root else []) + self.blocks
+        reduce_dtype = self.options.reduce_dtype_for(spec)
+        self.buckets = []
+        for unit in self.units:
+            shard = torch.zeros(unit.layout.shard_numel, dtype=dtype, device=spec.device)
+            bucket = GradBucket(unit.layout, comm=self.comm, reduce_dtype=reduce_dtype, grad_shard=shard,
+                                on_launch=unit.reshard)
+            for i, p in enumerate(unit.params):
+                p.register_post_accumulate_grad_hook(bucket.hook(i))
+            self.buckets.append(bucket)
+        model.register_forward_pre_hook(self._before_model_forward)
+        for i, block in enumerate(getattr(model, "blocks", [])):
+            block.register_forward_pre_hook(partial(self._before_block_forward, i))
+            block.register_forward_hook(partial(self._after_block_forward, i))
+        self.scaler = LossScaler.for_spec(spec, self.options)
+        self.optimizer = ShardedOptimizer(self.units, spec=spec, comm=self.comm, scaler=self.scaler)
+
+    # -- the schedule -----------------------------------------------------------------------------------
+
+    def _prefetch(self, indices: range) -> None:
+        for j in indices:
+            if 0 <= j < len(self.blocks):
+                self.blocks[j].unshard(async_op=True)
+
+    def _before_model_forward(self, module: nn.Module, args) -> None:
+        if self.root is not None:
+            self.root.unshard()
+        self._prefetch(range(self.options.prefetch))
+
+    def _before_block_forward(self, i: int, module: nn.Module, args) -> None:
+        self.blocks[i].unshard()
+        self._prefetch(range(i + 1, i + 1 + self.options.prefetch))
+
+    def _after_block_forward(self, i: int, module: nn.Module, args, output) -> None:
+        backward_follows = torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad
+        if backward_follows:
+            output.register_hook(partial(self._before_block_backward, i))
+            if i == len(self.blocks) - 1:
+                return  # the first block backward needs: keep it
+        self.blocks[i].reshard()
+
+    def _before_block_backward(self, i: int, grad: torch.Tensor) -> None:
+        self.blocks[i].unshard()
+        self._prefetch(range(i - 1, i - 1 - self.options.prefetch, -1))
+
+    # -- training ---------------------------------------------------------------------------------------
+
+    def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        for bucket in self.buckets:
+            bucket.begin_step()
+        loss = accumulate(micro_batches, lambda batch, _last: self._forward_backward(batch, len(micro_batches)))
+        self.optimizer.step([bucket.grad_shard for bucket in self.buckets])
+        return loss
+
+    def _forward_backward(self, batch: MicroBatch, n: int) -> torch.Tensor:
+        loss = forward_backward(self.model, batch, spec=self.spec, scaler=self.scaler, n=n)
+        for bucket in self.buckets:
+            bucket.finish()
+        for unit in self.units:
+            unit.reshard()
+        return loss
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return gather_full_parameters(self.units, comm=self.comm, order=self.names)
+
+    def state_bytes(self) -> dict[str, dict[str, int]]:
+        params = list(self.model.parameters())
+        return zero_state_bytes(parameters=params + [u.shard for u in self.units],
+                                gradients=[p.grad for p in params] + [b.grad_shard for b in self.buckets],
+                                optimizer=self.optimizer, device=self.spec.device)
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.scaler.metrics(), **self.optimizer.metrics()}
+
+    def save(self, path: str | os.PathLike) -> None:
+        checkpoint.save(path, self.optimizer.state_dict(), comm=self.comm, stage=self.stage,
+                        layouts=[u.layout for u in self.units])
+
+    def load(self, path: str | os.PathLike) -> None:
+        state = checkpoint.load(path, comm=self.comm, stage=self.stage, layouts=[u.layout for u in self.units],
+                                device=self.spec.device)
+        self.optimizer.load_state_dict(state)
