@@ -38,14 +38,17 @@ class GPTConfig:
         return (self.vocab + self.seq) * self.d_model
 
     @property
-    def num_parameters(self) -> int:
-        """Exact count of the parameters ``GPT(self)`` holds."""
+    def block_parameters(self) -> int:
+        """Parameters of one transformer block (two layer norms, attention, MLP)."""
         d, h = self.d_model, self.mlp_ratio * self.d_model
-        layer_norm = 2 * d
         attention = d * 3 * d + 3 * d + d * d + d
         mlp = d * h + h + h * d + d
-        block = 2 * layer_norm + attention + mlp
-        return self.embedding_parameters + self.layers * block + layer_norm + d * self.vocab
+        return 2 * (2 * d) + attention + mlp
+
+    @property
+    def num_parameters(self) -> int:
+        """Exact count of the parameters ``GPT(self)`` holds."""
+        return self.embedding_parameters + self.layers * self.block_parameters + 2 * self.d_model + self.d_model * self.vocab
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6·(Ψ − embeddings) + attention (design §5)."""

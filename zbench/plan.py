@@ -41,9 +41,7 @@ def working_set_bytes(cfg: GPTConfig | None, precision: str) -> float:
     if cfg is None:
         return 0.0
     low = 4 if precision == "fp32" else 2
-    d, h = cfg.d_model, cfg.mlp_ratio * cfg.d_model
-    block = 4 * d + d * 3 * d + 3 * d + d * d + d + d * h + h + h * d + d
-    unit = max(block, cfg.embedding_parameters, cfg.d_model * cfg.vocab)
+    unit = max(cfg.block_parameters, cfg.embedding_parameters, cfg.d_model * cfg.vocab)
     return 3 * unit * low
 
 

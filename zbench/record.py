@@ -5,6 +5,7 @@ from __future__ import annotations
 from zbench import registry
 from zbench.formulas import expected_state_bytes
 from zbench.launch import Outcome
+from zbench.measure.comms import theory_elements as comm_theory
 from zbench.measure.timing import summarize
 from zbench.protocol import CATEGORIES, LOCATIONS
 from zbench.suite import Case
@@ -45,7 +46,28 @@ def _measurements(case: Case, ranks: list[dict]) -> dict:
         "memory": {"kind": ranks[0]["memory"]["kind"], "peak_bytes": max(r["memory"]["bytes"] for r in ranks),
                    "per_rank": [r["memory"] for r in ranks]},
         "model_state": model_state(case, ranks, params),
+        "comms": comm_summary(case, ranks, params),
     }
+
+
+def comm_summary(case: Case, ranks: list[dict], params: int) -> dict:
+    """Per step and rank: collectives by kind, their logical volume, and theory (design §5)."""
+    timed = [i for i in range(case.steps) if i >= case.warmup_steps]
+    busiest = max(ranks, key=lambda r: sum(e["elements"] for i in timed for e in r["comms"][i]))
+    per_step = [sum(e["elements"] for e in busiest["comms"][i]) for i in timed]
+    median = sorted(per_step)[len(per_step) // 2] if per_step else 0
+    by_op: dict[str, dict] = {}
+    last = busiest["comms"][timed[-1]] if timed else []
+    for e in last:
+        slot = by_op.setdefault(f"{e['op']} ({e['dtype']})", {"count": 0, "elements": 0, "bytes": 0})
+        for k in ("count", "elements", "bytes"):
+            slot[k] += e[k]
+    expected = ranks[0]["expected_comm_elements"]
+    design = comm_theory(params, case.stage)
+    return {"elements_per_step": median, "bytes_per_step": sum(v["bytes"] for v in by_op.values()),
+            "per_step_elements": per_step, "by_op": by_op,
+            "expected_elements": expected, "design_elements": design,
+            "error_rel": (median - expected) / expected if expected else None}
 
 
 def model_state(case: Case, ranks: list[dict], params: int) -> dict:

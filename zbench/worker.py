@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from zbench import registry
+from zbench.measure import comms
 from zbench.measure.memory import peak_memory
 from zbench.measure.timing import timed
 from zbench.models import build_model, get_config, rank_micro_batches, synthetic_batch
@@ -44,6 +45,12 @@ def pick_device(case: dict, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def expected_comm_elements(implementation, cfg, world: int, stage: int) -> int:
+    """The implementation's own account of its traffic when it declares one, else the design's formula."""
+    declared = getattr(implementation, "expected_comm_elements", None)
+    return int(declared(cfg, world)) if callable(declared) else comms.theory_elements(cfg.num_parameters, stage)
+
+
 def train(case: dict, workdir: Path, rank: int, world: int, device: torch.device) -> dict:
     cfg = get_config(case["model"])
     data_cfg = dataclasses.replace(cfg, seq=case["seq_len"])
@@ -51,11 +58,13 @@ def train(case: dict, workdir: Path, rank: int, world: int, device: torch.device
     model = build_model(case["model"], seed=case["seed"], device=device)
     engine = implementation.build(model, train_spec(case, device), dist.group.WORLD)
     rows = case["micro_batch"] * case["grad_accum"] * world
-    losses, times, metrics = [], [], []
+    losses, times, metrics, comm_steps = [], [], [], []
     for step in range(case["steps"]):
         batch = synthetic_batch(data_cfg, seed=case["seed"], step=step, rows=rows)
         micro_batches = rank_micro_batches(batch, rank=rank, world=world, grad_accum=case["grad_accum"], device=device)
+        comms.take()  # drop set-up traffic (DDP's initial broadcast, ...)
         loss, seconds = timed(lambda: engine.step(micro_batches), device=device, barrier=dist.barrier)
+        comm_steps.append(comms.take())
         losses.append(float(loss))
         times.append(seconds)
         metrics.append(engine.metrics() if hasattr(engine, "metrics") else {})
@@ -65,7 +74,8 @@ def train(case: dict, workdir: Path, rank: int, world: int, device: torch.device
     params = engine.full_parameters()
     if rank == 0:
         atomic_torch_save(params, workdir / "params.pt")
-    return {"rank": rank, "losses": losses, "step_times_s": times, "metrics": metrics,
+    return {"rank": rank, "losses": losses, "step_times_s": times, "metrics": metrics, "comms": comm_steps,
+            "expected_comm_elements": expected_comm_elements(implementation, cfg, world, case["stage"]),
             "memory": peak_memory(device), "state_bytes": state,
             "parameters": cfg.num_parameters}
 
@@ -89,6 +99,7 @@ def die_with_parent() -> None:
 
 def main(argv: list[str]) -> int:
     die_with_parent()
+    comms.install()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's "where are you stuck?" before a timeout kill
     case_path, workdir = Path(argv[0]), Path(argv[1])
     case = json.loads(case_path.read_text())
