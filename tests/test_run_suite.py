@@ -29,6 +29,7 @@ steps: 8
 warmup_steps: 2
 timeout_s: 20
 precisions: [fp32, fp16]
+target_loss: 5.6
 implementations:
   - ddp
   - fsdp
@@ -149,6 +150,27 @@ def test_model_state_matches_formula(suite_run):
         assert abs(state["error_rel"]) < 0.02, (key, state["measured"], state["expected"])
     ddp_total = c["ddp::fp32"]["model_state"]["measured_total"]
     assert c["fsdp::fp32"]["model_state"]["measured_total"] < 0.55 * ddp_total
+
+
+def test_communication_ledger_matches_theory(suite_run):
+    _, _, run_dir = suite_run
+    c = cases(run_dir)
+    psi = c["ddp::fp32"]["model_parameters"]
+    for key, design in (("ddp::fp32", 2), ("torch_zero::fp32", 2), ("fsdp::fp32", 3)):
+        comms = c[key]["comms"]
+        assert abs(comms["error_rel"]) <= 0.05, (key, comms)
+        assert comms["design_elements"] == design * psi
+    assert c["ddp::fp32"]["comms"]["elements_per_step"] == 2 * psi  # one all-reduce of every gradient
+    assert set(c["fsdp::fp32"]["comms"]["by_op"]) == {"all_gather (float32)", "reduce_scatter (float32)"}
+
+
+def test_derived_figures_and_time_to_target(suite_run):
+    _, _, run_dir = suite_run
+    case = cases(run_dir)["ddp::fp32"]
+    assert case["throughput"]["tflops_per_rank"] > 0 and case["throughput"]["mfu"] is None  # no peak on a CPU
+    assert case["energy"] == {"available": False, "reason": "CPU run"}
+    ttt = case["time_to_target"]
+    assert ttt["reached"] and 1 <= ttt["steps"] <= 8 and ttt["seconds"] > 0
 
 
 def test_run_json_records_environment(suite_run):

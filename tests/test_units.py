@@ -158,3 +158,27 @@ def test_atomic_write_replaces_whole_file(tmp_path):
     store.atomic_write_json(target, {"a": 2})
     assert json.loads(target.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+
+
+# --- instruments --------------------------------------------------------------------------------------------
+
+def test_nvml_sampler_reports_unavailable_instead_of_failing():
+    from zbench.measure.nvml import NvmlSampler
+
+    out = NvmlSampler(0).start().stop()
+    if not out["available"]:
+        assert out["reason"]
+    else:  # a machine with a GPU
+        assert out["samples"] >= 1
+
+
+def test_mfu_uses_the_gpu_peak_and_can_be_overridden(monkeypatch):
+    from zbench.measure.flops import derived, peak_tflops
+
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
+    assert peak_tflops(None, "bf16") is None
+    cfg = PRESETS["small"]
+    d = derived(cfg, tokens_per_step=1_000_000, step_time_s=1.0, world=1, precision="bf16", gpu_name="NVIDIA A100-SXM4-80GB")
+    assert d["mfu"] == pytest.approx(cfg.flops_per_token() * 1e6 / 1e12 / 312.0)
+    monkeypatch.setenv("ZBENCH_PEAK_TFLOPS", "100")
+    assert peak_tflops(None, "fp32") == 100.0

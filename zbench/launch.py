@@ -103,6 +103,11 @@ def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _all_tails(workdir: Path, world: int) -> str:
+    """Every rank's last lines: when no single rank explains the failure (a hang, a silent kill)."""
+    return "\n".join(f"--- rank {r} ---\n{_tail(workdir / f'rank{r}.log', STDERR_TAIL_LINES // world)}" for r in range(world))
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -130,9 +135,11 @@ def _run_once(case: Case, workdir: Path, on_progress: Callable[[str], None]) -> 
     procs = _spawn(case, workdir, free_port())
     timed_out = False
     first_failure_at: float | None = None
+    died_before_kill: dict[int, int] = {}  # rank -> exit code, for ranks that ended on their own
     try:
         while True:
             codes = [p.poll() for p in procs]
+            died_before_kill.update({r: c for r, c in enumerate(codes) if c not in (None, 0)})
             if all(c is not None for c in codes):
                 break
             now = time.monotonic()
@@ -149,12 +156,20 @@ def _run_once(case: Case, workdir: Path, on_progress: Callable[[str], None]) -> 
             time.sleep(POLL_S)
     finally:
         kill_group(procs)
-    outcome = _classify(case, workdir, procs, timed_out, time.monotonic() - start)
+    outcome = _classify(case, workdir, procs, timed_out, time.monotonic() - start, died_before_kill)
     outcome.pids = [p.pid for p in procs]
     return outcome
 
 
-def _classify(case: Case, workdir: Path, procs: list[subprocess.Popen], timed_out: bool, wall_s: float) -> Outcome:
+def _classify(case: Case, workdir: Path, procs: list[subprocess.Popen], timed_out: bool, wall_s: float,
+              died_before_kill: dict[int, int]) -> Outcome:
+    """ok, oom, timeout or error, and which rank to blame.
+
+    Note: when one rank dies, its peers fail too (a broken connection in the
+    next collective) and write error files of their own; a rank killed by a
+    signal writes none. So a signal death seen before the harness killed the
+    group is the cause, ahead of the peers' errors.
+    """
     codes = [p.returncode for p in procs]
     ranks, errors = [], []
     for r in range(case.world_size):
@@ -164,10 +179,10 @@ def _classify(case: Case, workdir: Path, procs: list[subprocess.Popen], timed_ou
         if err.exists():
             errors.append({**json.loads(err.read_text()), "_mtime": err.stat().st_mtime_ns})
     errors.sort(key=lambda e: e["_mtime"])  # the first rank to fail is the cause; peers fail because it died
+    error_ranks = {e["rank"] for e in errors}
+    signalled = [r for r, c in sorted(died_before_kill.items()) if c < 0 and r not in error_ranks]
     failing_rank = errors[0]["rank"] if errors else next((r for r, c in enumerate(codes) if c not in (0, None)), 0)
-    tail = _tail(workdir / f"rank{failing_rank}.log") if errors or not timed_out else "\n".join(
-        f"--- rank {r} ---\n{_tail(workdir / f'rank{r}.log', STDERR_TAIL_LINES // case.world_size)}"
-        for r in range(case.world_size))
+    tail = _tail(workdir / f"rank{failing_rank}.log") if errors and not signalled else _all_tails(workdir, case.world_size)
     outcome = Outcome(status="ok", ranks=ranks, exit_codes=codes, wall_s=wall_s, stderr_tail=tail)
     if timed_out:
         outcome.status = "timeout"
@@ -176,6 +191,10 @@ def _classify(case: Case, workdir: Path, procs: list[subprocess.Popen], timed_ou
     elif any(e["kind"] == "oom" for e in errors):
         outcome.status = "oom"
         outcome.error = next(e for e in errors if e["kind"] == "oom")["message"]
+    elif signalled:
+        rank = signalled[0]
+        outcome.status = "error"
+        outcome.error = f"rank {rank} {_describe_exit(died_before_kill[rank])} without a result"
     elif errors:
         outcome.status = "error"
         outcome.error = f"rank {errors[0]['rank']}: {errors[0]['message']}"

@@ -6,6 +6,8 @@ from zbench import registry
 from zbench.formulas import expected_state_bytes
 from zbench.launch import Outcome
 from zbench.measure.comms import theory_elements as comm_theory
+from zbench.measure.flops import derived
+from zbench.models import get_config
 from zbench.measure.timing import summarize
 from zbench.protocol import CATEGORIES, LOCATIONS
 from zbench.suite import Case
@@ -35,7 +37,13 @@ def _measurements(case: Case, ranks: list[dict]) -> dict:
     stats = summarize([s["step_time_s"] for s in steps if not s["warmup"]])
     tokens_per_step = case.global_batch * case.seq_len
     params = ranks[0]["parameters"]
+    cfg = get_config(case.model)
     return {
+        "throughput": {**derived(cfg, tokens_per_step=tokens_per_step, step_time_s=stats["median"], world=case.world_size,
+                                 precision=case.precision, gpu_name=ranks[0].get("gpu_name")),
+                       "gpu_name": ranks[0].get("gpu_name")} if stats["median"] else {},
+        "energy": energy_summary(ranks, case.steps, tokens_per_step),
+        "time_to_target": time_to_target(steps, case.target_loss),
         "model_parameters": params,
         "steps": steps,
         "summary": {"step_time_median_s": stats["median"], "step_time_iqr_s": stats["iqr"],
@@ -68,6 +76,29 @@ def comm_summary(case: Case, ranks: list[dict], params: int) -> dict:
             "per_step_elements": per_step, "by_op": by_op,
             "expected_elements": expected, "design_elements": design,
             "error_rel": (median - expected) / expected if expected else None}
+
+
+def energy_summary(ranks: list[dict], steps: int, tokens_per_step: int) -> dict:
+    """nvml figures per rank and energy per step and per token summed over ranks (all GPUs of the case)."""
+    nvml = [r.get("nvml") or {"available": False} for r in ranks]
+    if not all(n.get("available") for n in nvml):
+        return {"available": False, "reason": next((n.get("reason") for n in nvml if not n.get("available")), "")}
+    energy = [n["energy_j"] for n in nvml]
+    total = sum(energy) if all(e is not None for e in energy) else None
+    return {"available": True, "per_rank": nvml, "peak_used_bytes": max(n["peak_used_bytes"] or 0 for n in nvml),
+            "energy_j": total, "energy_per_step_j": total / steps if total is not None else None,
+            "energy_per_token_j": total / (steps * tokens_per_step) if total is not None else None}
+
+
+def time_to_target(steps: list[dict], target: float | None) -> dict | None:
+    """The first step whose loss reached the suite's ``target_loss``, and the training time until then."""
+    if target is None:
+        return None
+    for s in steps:
+        if s["loss"] <= target:
+            return {"target_loss": target, "reached": True, "steps": s["step"] + 1,
+                    "seconds": sum(x["step_time_s"] for x in steps[: s["step"] + 1])}
+    return {"target_loss": target, "reached": False, "steps": None, "seconds": None}
 
 
 def model_state(case: Case, ranks: list[dict], params: int) -> dict:

@@ -90,6 +90,8 @@ class SuiteConfig(_Frozen):
     optimizer: OptimizerConfig = OptimizerConfig()
     grad_clip: float | None = Field(None, gt=0)
     nvme_dir: str | None = None
+    target_loss: float | None = Field(None, gt=0)
+    """Record the steps and time each case needs to reach this loss (time to target)."""
     regression: RegressionConfig = RegressionConfig()
 
     @field_validator("models")
@@ -146,6 +148,7 @@ class Case:
     grad_clip: float | None
     options: tuple[tuple[str, Any], ...] = ()
     nvme_dir: str | None = None
+    target_loss: float | None = None
     skip_reason: str | None = None
 
     @property
@@ -263,7 +266,7 @@ def expand(config: SuiteConfig) -> list[Case]:
                 seq_len=config.seq_len or get_config(model).seq, seed=config.seed, timeout_s=config.timeout_s,
                 optimizer=config.optimizer.name, lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay,
                 momentum=config.optimizer.momentum, grad_clip=config.grad_clip,
-                options=tuple(sorted(entry.options.items())), nvme_dir=config.nvme_dir)
+                options=tuple(sorted(entry.options.items())), nvme_dir=config.nvme_dir, target_loss=config.target_loss)
             reason = impl.capabilities.why_unsupported(
                 stage=stage, precision=precision, offload=offload, device=device, optimizer=case.optimizer,
                 grad_accum=case.grad_accum, grad_clip=case.grad_clip)

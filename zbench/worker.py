@@ -25,6 +25,7 @@ import torch.distributed as dist
 from zbench import registry
 from zbench.measure import comms
 from zbench.measure.memory import peak_memory
+from zbench.measure.nvml import NvmlSampler
 from zbench.measure.timing import timed
 from zbench.models import build_model, get_config, rank_micro_batches, synthetic_batch
 from zbench.protocol import TrainSpec
@@ -45,6 +46,15 @@ def pick_device(case: dict, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def nvml_index(device: torch.device) -> int:
+    """nvml numbers GPUs physically; CUDA numbers the visible ones."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if ids and all(v.isdigit() for v in ids) and device.index < len(ids):
+        return int(ids[device.index])
+    return device.index
+
+
 def expected_comm_elements(implementation, cfg, world: int, stage: int) -> int:
     """The implementation's own account of its traffic when it declares one, else the design's formula."""
     declared = getattr(implementation, "expected_comm_elements", None)
@@ -59,6 +69,7 @@ def train(case: dict, workdir: Path, rank: int, world: int, device: torch.device
     engine = implementation.build(model, train_spec(case, device), dist.group.WORLD)
     rows = case["micro_batch"] * case["grad_accum"] * world
     losses, times, metrics, comm_steps = [], [], [], []
+    sampler = NvmlSampler(nvml_index(device)).start() if device.type == "cuda" else None
     for step in range(case["steps"]):
         batch = synthetic_batch(data_cfg, seed=case["seed"], step=step, rows=rows)
         micro_batches = rank_micro_batches(batch, rank=rank, world=world, grad_accum=case["grad_accum"], device=device)
@@ -70,13 +81,15 @@ def train(case: dict, workdir: Path, rank: int, world: int, device: torch.device
         metrics.append(engine.metrics() if hasattr(engine, "metrics") else {})
         if rank == 0:
             (workdir / "progress").write_text(f"{step + 1}/{case['steps']}")
+    nvml = sampler.stop() if sampler else {"available": False, "reason": "CPU run"}
     state = engine.state_bytes()
     params = engine.full_parameters()
     if rank == 0:
         atomic_torch_save(params, workdir / "params.pt")
     return {"rank": rank, "losses": losses, "step_times_s": times, "metrics": metrics, "comms": comm_steps,
             "expected_comm_elements": expected_comm_elements(implementation, cfg, world, case["stage"]),
-            "memory": peak_memory(device), "state_bytes": state,
+            "memory": peak_memory(device), "state_bytes": state, "nvml": nvml,
+            "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "parameters": cfg.num_parameters}
 
 

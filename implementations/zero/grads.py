@@ -1,4 +1,18 @@
-"""Gradients on their way from autograd to this rank's gradient shard, one bucket at a time (stages 2 and 3)."""
+"""Gradients on their way from autograd to this rank's shard, one bucket (flat group) at a time.
+
+Both kinds of bucket take each parameter's gradient from a ``register_post_accumulate_grad_hook``
+the moment autograd has produced it, move it into a flat buffer and drop the parameter's own
+``.grad``; when a bucket's last gradient has arrived its reduce-scatter starts asynchronously, so
+communication overlaps the rest of backward.
+
+- ``AccumulatedGradBucket`` (stage 1): the buffer is whole and persistent; micro-batches
+  accumulate into it and it is reduce-scattered once per step, in place, during the last backward.
+- ``GradBucket`` (stages 2 and 3): the buffer lives for one micro-batch only; every micro-batch is
+  reduce-scattered into a persistent gradient shard, so no whole gradient outlives its bucket.
+
+Note: gradients are divided by the world size before the sum, as DDP does, so that the rounding
+(and at world 2 the whole training run, bit for bit) matches DDP's.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +22,98 @@ import torch
 
 from implementations.zero.comm import Comm, Handle
 from implementations.zero.flat import FlatLayout
+
+
+def copy_mean_part(view: torch.Tensor, grad: torch.Tensor, world: int) -> None:
+    """``view = grad / world``, in one pass when the dtypes agree."""
+    if world == 1:
+        view.copy_(grad)
+    elif grad.dtype == view.dtype:
+        torch.div(grad, world, out=view)
+    else:  # up-cast first: dividing in bf16/fp16 would round
+        view.copy_(grad).div_(world)
+
+
+class AccumulatedGradBucket:
+    """One flat group's whole gradient, accumulated over a step's micro-batches and reduce-scattered once (stage 1).
+
+    On the last micro-batch, once the group's last gradient has arrived, the buffer is reduce-scattered
+    in place: this rank's slice of it receives the group mean, which ``finish`` returns. When the
+    gradient dtype is not the reduce dtype, a bucket-sized up-cast copy is reduced instead, into an
+    fp32 slice.
+    """
+
+    def __init__(self, layout: FlatLayout, *, comm: Comm, dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.layout = layout
+        self.comm = comm
+        self.reduce_dtype = reduce_dtype
+        self.buffer = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        self._views = layout.views(self.buffer)
+        self._mine = self.buffer[layout.shard_slice(comm.rank)]
+        self.begin_step(micro_batches=1)
+
+    def begin_step(self, *, micro_batches: int) -> None:
+        self._micro_batches = micro_batches
+        self._seen = [False] * len(self._views)
+        self._last = micro_batches == 1
+        self._count = 0
+        self._out: torch.Tensor | None = None
+        self._work: Handle | None = None
+
+    def begin_last_micro_batch(self) -> None:
+        self._last = True
+
+    def hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        """The ``register_post_accumulate_grad_hook`` callback for the group's ``index``-th parameter."""
+        def on_grad(param: torch.Tensor) -> None:
+            self.add(index, param)
+        return on_grad
+
+    def add(self, index: int, param: torch.Tensor) -> None:
+        view, grad = self._views[index], param.grad
+        if self._seen[index]:
+            view.add_(grad)
+        elif self._divide_on_the_way_in:
+            copy_mean_part(view, grad, self.comm.world)
+        else:
+            view.copy_(grad)
+        param.grad = None
+        self._seen[index] = True
+        if self._last:
+            self._count += 1
+            if self._count == len(self._views):
+                self._launch()
+
+    @property
+    def _divide_on_the_way_in(self) -> bool:
+        """With a single micro-batch each gradient is divided as it is copied in, saving a pass."""
+        return self._micro_batches == 1 and self.buffer.dtype == self.reduce_dtype
+
+    def _launch(self) -> None:
+        if self._work is not None:
+            return
+        for view, seen in zip(self._views, self._seen):
+            if not seen:  # no gradient this step: zeros, not last step's values
+                view.zero_()
+        world = self.comm.world
+        if self.buffer.dtype == self.reduce_dtype:
+            if not self._divide_on_the_way_in and world > 1:
+                self.buffer.div_(world)
+            self._out = self._mine
+            self._work = self.comm.reduce_scatter(self._mine, self.buffer, async_op=True)
+        else:
+            upcast = self.buffer.to(self.reduce_dtype).div_(world)
+            self._out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.buffer.device)
+            self._work = self.comm.reduce_scatter(self._out, upcast, async_op=True)
+
+    def finish(self) -> torch.Tensor:
+        """After the last backward: this rank's slice of the group-mean gradient."""
+        self._launch()
+        assert self._work is not None and self._out is not None
+        self._work.wait()
+        out, self._out, self._work = self._out, None, None
+        return out
 
 
 class GradBucket:
@@ -20,9 +126,8 @@ class GradBucket:
     shard, so no full gradient outlives its bucket.
 
     Note: the shard holds the group mean: each gradient is divided by the world size on its way into
-    the buffer (before the sum, like DDP, so that the rounding matches DDP's); the first micro-batch
-    of a step overwrites the shard, later ones add to it (the loss is already divided by the number
-    of micro-batches, as in DDP).
+    the buffer; the first micro-batch of a step overwrites the shard, later ones add to it (the loss
+    is already divided by the number of micro-batches, as in DDP).
     """
 
     def __init__(self, layout: FlatLayout, *, comm: Comm, reduce_dtype: torch.dtype, grad_shard: torch.Tensor,
@@ -55,23 +160,13 @@ class GradBucket:
     def add(self, index: int, param: torch.Tensor) -> None:
         if self._buffer is None:
             self._allocate()
-        self._copy_mean_part(self._views[index], param.grad)
+        copy_mean_part(self._views[index], param.grad, self.comm.world)
         param.grad = None
         if not self._arrived[index]:
             self._arrived[index] = True
             self._count += 1
         if self._count == len(self._views):
             self._launch()
-
-    def _copy_mean_part(self, view: torch.Tensor, grad: torch.Tensor) -> None:
-        """``view = grad / world``: divided before the sum, as DDP does, so the rounding matches DDP's."""
-        world = self.comm.world
-        if world == 1:
-            view.copy_(grad)
-        elif grad.dtype == view.dtype:
-            torch.div(grad, world, out=view)
-        else:  # up-cast first: dividing in bf16/fp16 would round
-            view.copy_(grad).div_(world)
 
     def _allocate(self) -> None:
         self._buffer = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.grad_shard.device)

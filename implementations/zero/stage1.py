@@ -10,6 +10,8 @@ from torch import nn
 from implementations._common import accumulate
 from implementations.zero import checkpoint
 from implementations.zero.comm import Comm
+from implementations.zero.flat import partition_by_numel
+from implementations.zero.grads import AccumulatedGradBucket
 from implementations.zero.loop import forward_backward
 from implementations.zero.optim import ShardedOptimizer
 from implementations.zero.options import ZeroOptions
@@ -20,12 +22,13 @@ from zbench.protocol import MicroBatch, TrainSpec
 
 
 class ZeRO1Engine:
-    """One flat parameter buffer and one flat gradient buffer, whole on every rank; the optimizer sees only this rank's slice.
+    """Parameters and gradients whole on every rank, in flat buckets; the optimizer sees only this rank's slice of each.
 
-    The parameters' ``.grad`` are views of the gradient buffer, so autograd accumulates every
-    micro-batch straight into it; once per step it is reduce-scattered (in place: each rank's slice
-    receives the group sum), each rank steps its fp32 slice, and an in-place all-gather brings every
-    rank's updated slice back into every rank's parameters.
+    Every micro-batch's gradients accumulate into the buckets' persistent gradient buffers; during
+    the last micro-batch's backward each bucket is reduce-scattered in place as soon as its last
+    gradient has arrived (once per step, overlapping the rest of backward). Each rank then steps its
+    fp32 slices and in-place all-gathers bring every rank's updated slices back into every rank's
+    parameters.
     """
 
     stage = 1
@@ -34,46 +37,46 @@ class ZeRO1Engine:
         self.model, self.spec = model, spec
         self.options = ZeroOptions.from_spec(spec)
         self.comm = Comm(group)
-        self.names = [name for name, _ in model.named_parameters()]
-        self.params = ReplicatedParams(list(model.named_parameters()), comm=self.comm, dtype=spec.compute_dtype)
-        self.grads = torch.zeros_like(self.params.flat)
-        for p, g in zip(self.params.params, self.params.layout.views(self.grads)):
-            p.grad = g
-        self.reduce_dtype = self.options.reduce_dtype_for(spec)
+        named = list(model.named_parameters())
+        self.names = [name for name, _ in named]
+        reduce_dtype = self.options.reduce_dtype_for(spec)
+        self.groups = [ReplicatedParams(chunk, comm=self.comm, dtype=spec.compute_dtype)
+                       for chunk in partition_by_numel(named, self.options.bucket_numel(reduce_dtype))]
+        self.buckets = []
+        for group_ in self.groups:
+            bucket = AccumulatedGradBucket(group_.layout, comm=self.comm, dtype=spec.compute_dtype,
+                                           reduce_dtype=reduce_dtype, device=spec.device)
+            for i, p in enumerate(group_.params):
+                p.register_post_accumulate_grad_hook(bucket.hook(i))
+            self.buckets.append(bucket)
         self.scaler = LossScaler.for_spec(spec, self.options)
-        self.optimizer = ShardedOptimizer([self.params], spec=spec, comm=self.comm, scaler=self.scaler)
+        self.optimizer = ShardedOptimizer(self.groups, spec=spec, comm=self.comm, scaler=self.scaler)
 
     def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
-        self.grads.zero_()
         n = len(micro_batches)
-        loss = accumulate(micro_batches, lambda batch, _last: forward_backward(
-            self.model, batch, spec=self.spec, scaler=self.scaler, n=n))
-        if self.optimizer.step([self._reduce_scatter_grads()]):
-            self.params.all_gather()
+        for bucket in self.buckets:
+            bucket.begin_step(micro_batches=n)
+        loss = accumulate(micro_batches, lambda batch, last: self._forward_backward(batch, last, n))
+        if self.optimizer.step([bucket.finish() for bucket in self.buckets]):
+            self._all_gather()
         return loss
 
-    def _reduce_scatter_grads(self) -> torch.Tensor:
-        """This rank's slice of the group-mean gradient: in place in the buffer, or an fp32 copy when up-casting.
+    def _forward_backward(self, batch: MicroBatch, last: bool, n: int) -> torch.Tensor:
+        if last:
+            for bucket in self.buckets:
+                bucket.begin_last_micro_batch()
+        return forward_backward(self.model, batch, spec=self.spec, scaler=self.scaler, n=n)
 
-        Note: in place, the buffer is divided by the world size before the sum, as DDP does, so
-        that the rounding (and hence training, bit for bit at world 2) matches DDP's.
-        """
-        world = self.comm.world
-        mine = self.grads[self.params.layout.shard_slice(self.comm.rank)]
-        if world == 1:
-            return mine
-        if self.grads.dtype == self.reduce_dtype:
-            self.comm.reduce_scatter(mine, self.grads.div_(world))
-            return mine
-        mine = torch.empty_like(mine, dtype=self.reduce_dtype)
-        self.comm.reduce_scatter_upcast(mine, self.grads)
-        return mine.div_(world)
+    def _all_gather(self) -> None:
+        for handle in [group_.all_gather(async_op=True) for group_ in self.groups]:
+            handle.wait()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return gather_full_parameters([self.params], comm=self.comm, order=self.names)
+        return gather_full_parameters(self.groups, comm=self.comm, order=self.names)
 
     def state_bytes(self) -> dict[str, dict[str, int]]:
-        return zero_state_bytes(parameters=self.model.parameters(), gradients=[self.grads],
+        return zero_state_bytes(parameters=self.model.parameters(),
+                                gradients=[p.grad for p in self.model.parameters()] + [b.buffer for b in self.buckets],
                                 optimizer=self.optimizer, device=self.spec.device)
 
     def metrics(self) -> dict[str, float]:
@@ -81,10 +84,10 @@ class ZeRO1Engine:
 
     def save(self, path: str | os.PathLike) -> None:
         checkpoint.save(path, self.optimizer.state_dict(), comm=self.comm, stage=self.stage,
-                        layouts=[self.params.layout])
+                        layouts=[g.layout for g in self.groups])
 
     def load(self, path: str | os.PathLike) -> None:
-        state = checkpoint.load(path, comm=self.comm, stage=self.stage, layouts=[self.params.layout],
+        state = checkpoint.load(path, comm=self.comm, stage=self.stage, layouts=[g.layout for g in self.groups],
                                 device=self.spec.device)
         self.optimizer.load_state_dict(state)
-        self.params.all_gather()
+        self._all_gather()

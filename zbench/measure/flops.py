@@ -1,0 +1,45 @@
+"""Model FLOPs, achieved TFLOP/s and MFU (design §5): 6·(Ψ − embeddings) + attention FLOPs per token.
+
+Peak throughput is looked up by GPU name (dense bf16/fp16 tensor-core figures;
+fp32 runs use the TF32 figure) and can be overridden with ``ZBENCH_PEAK_TFLOPS``.
+On a CPU there is no meaningful peak: MFU is left out and only TFLOP/s is given.
+"""
+
+from __future__ import annotations
+
+import os
+
+from zbench.models import GPTConfig
+
+#: name fragment -> (dense bf16/fp16 TFLOP/s, dense TF32 TFLOP/s)
+PEAK_TFLOPS = {
+    "H200": (989.0, 494.0),
+    "H100": (989.0, 494.0),
+    "A100": (312.0, 156.0),
+    "L40S": (362.0, 183.0),
+    "A10G": (125.0, 62.5),
+    "L4": (121.0, 60.0),
+    "V100": (125.0, 15.7),
+}
+
+
+def peak_tflops(gpu_name: str | None, precision: str) -> float | None:
+    override = os.environ.get("ZBENCH_PEAK_TFLOPS")
+    if override:
+        return float(override)
+    if not gpu_name:
+        return None
+    for fragment, (low, fp32) in PEAK_TFLOPS.items():
+        if fragment in gpu_name:
+            return fp32 if precision == "fp32" else low
+    return None
+
+
+def derived(cfg: GPTConfig, *, tokens_per_step: int, step_time_s: float, world: int, precision: str,
+            gpu_name: str | None) -> dict[str, float | None]:
+    """Achieved model TFLOP/s per rank and, where the peak is known, MFU."""
+    flops_per_token = cfg.flops_per_token()
+    tflops_per_rank = flops_per_token * tokens_per_step / step_time_s / world / 1e12
+    peak = peak_tflops(gpu_name, precision)
+    return {"model_flops_per_token": flops_per_token, "tflops_per_rank": tflops_per_rank,
+            "peak_tflops": peak, "mfu": tflops_per_rank / peak if peak else None}
