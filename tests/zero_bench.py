@@ -2,7 +2,9 @@
 
 Every rank builds DDP, zero1, zero2 and zero3 on identical models and, step after step, times
 one step of each in turn (rotating which goes first), between barriers, with perf_counter; warm-up
-steps are dropped. Prints each implementation's median step time and its ratio to DDP's.
+steps are dropped. Prints each implementation's median step time, the ratio of its median to DDP's,
+and the median over steps of the paired ratio (its step time over DDP's in the same step, which
+cancels load that changes more slowly than one round of steps; on a shared machine trust that one).
 Defaults: world 2 on CPU (gloo), the ``small`` preset, micro-batch 4 per rank, AdamW, fp32, one
 thread per rank.
 """
@@ -61,12 +63,16 @@ def rank_main(rank: int, args: argparse.Namespace, store: str) -> None:
     if rank == 0:
         ref = statistics.median(times["ddp"]) if "ddp" in times else None
         print(f"{args.model}, world {args.world}, micro-batch {args.micro_batch}, {args.precision}, "
-              f"{args.threads} thread(s)/rank, {args.steps} timed steps after {args.warmup} warm-up")
+              f"{args.threads} thread(s)/rank, {args.steps} timed steps after {args.warmup} warm-up, "
+              f"load average {os.getloadavg()[0]:.2f}")
         for name in args.impls:
             med = statistics.median(times[name])
             q1, _, q3 = statistics.quantiles(times[name], n=4)
-            ratio = f"{med / ref:.3f}x ddp" if ref else ""
-            print(f"  {name:6s} median {med * 1e3:7.1f} ms  (IQR {q1 * 1e3:.1f}-{q3 * 1e3:.1f})  {ratio}")
+            line = f"  {name:6s} median {med * 1e3:7.1f} ms  (IQR {q1 * 1e3:.1f}-{q3 * 1e3:.1f})"
+            if ref:
+                paired = statistics.median(t / d for t, d in zip(times[name], times["ddp"]))
+                line += f"  median/ddp {med / ref:.3f}  paired {paired:.3f}"
+            print(line)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -76,6 +76,14 @@ def install() -> None:
             _library.impl(op_name, _kernel(op_name), "Autograd")
 
 
+def uninstall() -> None:
+    """Stop recording (used to measure the ledger's own cost against a bare run)."""
+    global _library
+    if _library is not None:
+        _library._destroy()
+        _library = None
+
+
 def take() -> list[dict]:
     """The collectives recorded since the last ``take()``, then reset: ``[{op, dtype, count, elements, bytes}]``."""
     with _lock:
