@@ -182,3 +182,12 @@ def test_mfu_uses_the_gpu_peak_and_can_be_overridden(monkeypatch):
     assert d["mfu"] == pytest.approx(cfg.flops_per_token() * 1e6 / 1e12 / 312.0)
     monkeypatch.setenv("ZBENCH_PEAK_TFLOPS", "100")
     assert peak_tflops(None, "fp32") == 100.0
+
+
+@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).resolve().parent.parent.glob("suites/*.yaml")))
+def test_shipped_suites_are_valid(path):
+    """GPU suites cannot be expanded on a CPU machine, but they must still validate."""
+    import yaml
+
+    config = suite.from_dict(yaml.safe_load(path.read_text()), source=str(path))
+    assert config.models and config.implementations
