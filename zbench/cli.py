@@ -23,7 +23,9 @@ ReportOpt = Annotated[Path, typer.Option("--report", help="Directory the HTML re
 
 
 def _stdout() -> Console:
-    return Console(highlight=False)
+    from zbench.console import make_console
+
+    return make_console(stderr=False)
 
 
 @app.command()

@@ -13,12 +13,17 @@ from rich.table import Table
 from zbench.suite import Case
 
 
-def stderr_console() -> Console:
-    """Progress goes to stderr; off a terminal (CI logs) lines are not wrapped at 80 columns."""
-    console = Console(stderr=True, highlight=False, soft_wrap=True)
+def make_console(*, stderr: bool) -> Console:
+    """Off a terminal (CI logs, pipes) tables and lines are not squeezed into 80 columns."""
+    console = Console(stderr=stderr, highlight=False, soft_wrap=True)
     if not console.is_terminal:
-        console = Console(stderr=True, highlight=False, soft_wrap=True, width=200)
+        console = Console(stderr=stderr, highlight=False, soft_wrap=True, width=200)
     return console
+
+
+def stderr_console() -> Console:
+    """Progress and summaries go to stderr so stdout stays clean for --json."""
+    return make_console(stderr=True)
 
 
 def fmt_bytes(n: float | None) -> str:
