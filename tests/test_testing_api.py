@@ -13,5 +13,5 @@ def test_correct_implementation_passes():
 
 
 def test_wrong_implementation_fails_with_figures():
-    with pytest.raises(AssertionError, match="not equivalent to DDP.*max rel param diff"):
+    with pytest.raises(AssertionError, match="not equivalent to DDP.*param rel L2 diff"):
         assert_equivalent_to_ddp("tests.plugins.faulty:FAULTY", options={"fault": "unsynced"}, steps=6)

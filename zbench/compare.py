@@ -61,7 +61,7 @@ class Comparison:
             ("model state / rank", lambda r, rec: fmt_bytes(r["model_state_bytes"])),
             ("  ZeRO formula", lambda r, rec: fmt_bytes(r["expected_model_state_bytes"])),
             ("max rel loss diff", lambda r, rec: "-" if r["max_rel_loss_diff"] is None else f"{r['max_rel_loss_diff']:.2e}"),
-            ("max rel param diff", lambda r, rec: "-" if r["max_rel_param_diff"] is None else f"{r['max_rel_param_diff']:.2e}"),
+            ("param rel L2 diff", lambda r, rec: "-" if r["max_rel_param_diff"] is None else f"{r['max_rel_param_diff']:.2e}"),
             ("equivalent to DDP", lambda r, rec: {True: "yes", False: "NO", None: "-"}[r["equivalent"]]),
         ]
         for label, cell in lines:

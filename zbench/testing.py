@@ -47,6 +47,6 @@ def assert_equivalent_to_ddp(implementation: str, *, model: str = "tiny", world_
     if not eq.get("equivalent"):
         raise AssertionError(
             f"{implementation} is not equivalent to DDP: {eq.get('reason')} "
-            f"(max rel loss diff {eq.get('max_rel_loss_diff')}, max rel param diff {eq.get('max_rel_param_diff')}"
+            f"(max rel loss diff {eq.get('max_rel_loss_diff')}, param rel L2 diff {eq.get('max_rel_param_diff')}"
             f" in {eq.get('worst_parameter')}, tolerance {eq.get('tolerance_rel')})")
     return record

@@ -17,8 +17,10 @@ the bytes of an fp32 one). How a backend implements an operator on the wire
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 
@@ -36,6 +38,7 @@ _OPS = {
 }
 
 _lock = threading.Lock()
+_logical = threading.local()
 _entries: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])  # (op, dtype) -> count, elements, bytes
 _library: torch.library.Library | None = None
 
@@ -52,17 +55,41 @@ def _kernel(op_name: str):
 
     def record_and_forward(*args, **kwargs):
         tensors = _flatten(args[index])
-        if tensors:
-            elements = sum(t.numel() for t in tensors)
-            with _lock:
-                entry = _entries[(name, str(tensors[0].dtype).removeprefix("torch."))]
-                entry[0] += 1
-                entry[1] += factor * elements
-                entry[2] += factor * sum(t.numel() * t.element_size() for t in tensors)
+        label = getattr(_logical, "label", None)
+        if label is not None:  # the caller said what this collective stands for
+            _logical.label = None
+            _record(label[0], tensors[0].dtype, label[1], label[1] * tensors[0].element_size())
+        elif tensors:
+            _record(name, tensors[0].dtype, factor * sum(t.numel() for t in tensors),
+                    factor * sum(t.numel() * t.element_size() for t in tensors))
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args, **kwargs)
 
     return record_and_forward
+
+
+def _record(name: str, dtype: torch.dtype, elements: int, nbytes: int) -> None:
+    with _lock:
+        entry = _entries[(name, str(dtype).removeprefix("torch."))]
+        entry[0] += 1
+        entry[1] += elements
+        entry[2] += nbytes
+
+
+@contextlib.contextmanager
+def recorded_as(op: str, elements: int) -> Iterator[None]:
+    """Record the next collective issued in this block as the logical ``op`` of ``elements`` elements.
+
+    For an implementation that builds one collective from another on a backend
+    that lacks it, as gloo's own reduce-scatter does (an all-reduce, then a
+    slice): the ledger then checks the logical volume, as design §5 asks,
+    rather than the backend's workaround. It labels, it does not measure.
+    """
+    _logical.label = (op, elements)
+    try:
+        yield
+    finally:
+        _logical.label = None
 
 
 def install() -> None:
