@@ -8,10 +8,11 @@ Tolerances:
 
 - fp32, world 1 and 2: per-step loss and every final parameter within 1e-5 relative (relative
   parameter difference: ``max|a - b| / max|ref|`` per tensor). In practice they are bit-identical.
-- fp32, world 3 and 4, and with clipping: the same 1e-5, with AdamW ``eps=1e-5`` instead of 1e-8.
-  At world >= 3 the order in which a reduction adds the ranks' gradients depends on the buffer
-  layout, and a sharded global norm is summed in another order than ``clip_grad_norm_``'s, so the
-  result differs from DDP's by rounding (~1e-7). With ``eps=1e-8`` AdamW turns such rounding into
+- fp32, world 3 and 4, and with accumulation or clipping: the same 1e-5, with AdamW ``eps=1e-5``
+  instead of 1e-8. At world >= 3 the order in which a reduction adds the ranks' gradients depends
+  on the buffer layout; stages 2 and 3 reduce every micro-batch (DDP sums micro-batches first); a
+  sharded global norm is summed in another order than ``clip_grad_norm_``'s. Each makes the result
+  differ from DDP's by rounding (~1e-7). With ``eps=1e-8`` AdamW turns such rounding into
   full ``lr``-sized steps for elements whose true gradient is ~0 (the attention key bias, whose
   gradient is exactly zero because softmax ignores a per-row shift; dead GELU units), which then
   differ by ~4e-4 relative. DDP against DDP with another bucket size differs by as much

@@ -41,14 +41,18 @@ def rank_main(rank: int, args: argparse.Namespace, store: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.world,
                             timeout=datetime.timedelta(seconds=300))
     options = json.loads(args.options)
+    runs = {name: (name, options.get(name, {}) if name != "ddp" else {}) for name in args.impls}
+    for variant in args.variant:  # LABEL=IMPL:JSON
+        label, _, rest = variant.partition("=")
+        impl, _, opts = rest.partition(":")
+        runs[label] = (impl, json.loads(opts or "{}"))
     engines = {}
-    for name in args.impls:
-        spec = TrainSpec(device=torch.device("cpu"), precision=args.precision, lr=1e-3,
-                         options=options.get(name, {}) if name != "ddp" else {})
-        engines[name] = registry.resolve(name).build(build_model(args.model, seed=0), spec, dist.group.WORLD)
+    for label, (impl, opts) in runs.items():
+        spec = TrainSpec(device=torch.device("cpu"), precision=args.precision, lr=1e-3, options=opts)
+        engines[label] = registry.resolve(impl).build(build_model(args.model, seed=0), spec, dist.group.WORLD)
     cfg = get_config(args.model)
-    times: dict[str, list[float]] = {name: [] for name in args.impls}
-    names = list(args.impls)
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for step in range(args.warmup + args.steps):
         batch = synthetic_batch(cfg, seed=0, step=step, rows=args.micro_batch * args.world)
         micro_batches = rank_micro_batches(batch, rank=rank, world=args.world, grad_accum=1)
@@ -65,10 +69,10 @@ def rank_main(rank: int, args: argparse.Namespace, store: str) -> None:
         print(f"{args.model}, world {args.world}, micro-batch {args.micro_batch}, {args.precision}, "
               f"{args.threads} thread(s)/rank, {args.steps} timed steps after {args.warmup} warm-up, "
               f"load average {os.getloadavg()[0]:.2f}")
-        for name in args.impls:
+        for name in names:
             med = statistics.median(times[name])
             q1, _, q3 = statistics.quantiles(times[name], n=4)
-            line = f"  {name:6s} median {med * 1e3:7.1f} ms  (IQR {q1 * 1e3:.1f}-{q3 * 1e3:.1f})"
+            line = f"  {name:12s} median {med * 1e3:7.1f} ms  (IQR {q1 * 1e3:.1f}-{q3 * 1e3:.1f})"
             if ref:
                 paired = statistics.median(t / d for t, d in zip(times[name], times["ddp"]))
                 line += f"  median/ddp {med / ref:.3f}  paired {paired:.3f}"
@@ -88,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--impls", nargs="+", default=list(IMPLS))
     parser.add_argument("--options", default="{}", help='zero options by name, JSON: \'{"zero2": {"bucket_mb": 8}}\'')
+    parser.add_argument("--variant", action="append", default=[],
+                        help='another engine to time, LABEL=IMPL:JSON_OPTIONS, e.g. \'z2-16mb=zero2:{"bucket_mb": 16}\'')
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(rank_main, args=(args, os.path.join(tmp, "store")), nprocs=args.world)

@@ -44,6 +44,15 @@ class ZeroImplementation:
     def __post_init__(self) -> None:
         object.__setattr__(self, "capabilities", _capabilities(self.stage))
 
+    def expected_comm_elements(self, cfg, world: int) -> int:
+        """Stages 1-2: reduce-scatter Ψ + all-gather Ψ. Stage 3: reduce-scatter Ψ, and gathers of Ψ for forward and
+        again for backward, except the root unit and the last block, which stay gathered from forward to backward."""
+        psi = cfg.num_parameters
+        if self.stage < 3:
+            return 2 * psi
+        root = psi - cfg.layers * cfg.block_parameters
+        return 3 * psi - root - (cfg.block_parameters if cfg.layers else 0)
+
     def build(self, model: nn.Module, spec: TrainSpec, group):
         reason = self.capabilities.why_unsupported(stage=self.stage, precision=spec.precision, offload=spec.offload,
                                                    device=spec.device.type, optimizer=spec.optimizer,

@@ -16,6 +16,7 @@ Note: gradients are divided by the world size before the sum, as DDP does, so th
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -101,11 +102,12 @@ class AccumulatedGradBucket:
             if not self._divide_on_the_way_in and world > 1:
                 self.buffer.div_(world)
             self._out = self._mine
-            self._work = self.comm.reduce_scatter(self._mine, self.buffer, async_op=True)
+            # scratch: the rest of the buffer is not read again before the next step overwrites it
+            self._work = self.comm.reduce_scatter(self._mine, self.buffer, async_op=True, scratch=True)
         else:
             upcast = self.buffer.to(self.reduce_dtype).div_(world)
             self._out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.buffer.device)
-            self._work = self.comm.reduce_scatter(self._out, upcast, async_op=True)
+            self._work = self.comm.reduce_scatter(self._out, upcast, async_op=True, scratch=True)
 
     def finish(self) -> torch.Tensor:
         """After the last backward: this rank's slice of the group-mean gradient."""
@@ -116,28 +118,51 @@ class AccumulatedGradBucket:
         return out
 
 
+class InFlight:
+    """Reductions started but not yet folded into their shards, oldest first (stages 2 and 3).
+
+    Note: folding a bucket in frees its buffer. Whenever a reduction starts, those already complete
+    are folded in, and the oldest is waited for while more than ``limit`` are pending, so only a
+    few bucket buffers exist at any time during backward, never the whole gradient.
+    """
+
+    def __init__(self, limit: int = 2) -> None:
+        self.limit = limit
+        self._pending: deque[GradBucket] = deque()
+
+    def started(self, bucket: GradBucket) -> None:
+        self._pending.append(bucket)
+        while self._pending and (len(self._pending) > self.limit or self._pending[0].reduced):
+            self._pending.popleft().finish()
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+
 class GradBucket:
     """Collects one flat group's gradients during backward and reduce-scatters them into ``grad_shard``.
 
-    A hook copies each parameter's gradient into a flat buffer the moment autograd has accumulated
-    it, and drops the parameter's own ``.grad``; when the group's last gradient arrives the buffer is
-    reduce-scattered asynchronously, overlapping the rest of backward, and ``on_launch`` runs (stage 3
-    frees the group's gathered parameters there). ``finish`` waits and folds the result into the
-    shard, so no full gradient outlives its bucket.
+    A hook copies each parameter's gradient (divided by the world size) into a flat buffer the moment
+    autograd has accumulated it, and drops the parameter's own ``.grad``; when the group's last
+    gradient arrives the buffer is reduce-scattered asynchronously, overlapping the rest of
+    backward, and ``on_launch`` runs (stage 3 frees the group's gathered parameters there).
+    ``finish`` folds the result into the shard and frees the buffer, as soon as ``InFlight`` finds
+    the reduction done.
 
-    Note: the shard holds the group mean: each gradient is divided by the world size on its way into
-    the buffer; the first micro-batch of a step overwrites the shard, later ones add to it (the loss
-    is already divided by the number of micro-batches, as in DDP).
+    Note: the shard holds the group mean: the first micro-batch of a step overwrites it, later ones
+    add to it (the loss is already divided by the number of micro-batches, as in DDP).
     """
 
     def __init__(self, layout: FlatLayout, *, comm: Comm, reduce_dtype: torch.dtype, grad_shard: torch.Tensor,
-                 on_launch: Callable[[], None] | None = None) -> None:
+                 inflight: InFlight, on_launch: Callable[[], None] | None = None) -> None:
         self.layout = layout
         self.comm = comm
         self.reduce_dtype = reduce_dtype
         self.grad_shard = grad_shard
+        self._inflight = inflight
         self._on_launch = on_launch
         self._fresh = True
+        self._finished = False
         self._reset()
 
     def _reset(self) -> None:
@@ -183,18 +208,20 @@ class GradBucket:
                 view.zero_()
         direct = self._fresh and self.grad_shard.dtype == self.reduce_dtype
         self._out = self.grad_shard if direct else torch.empty_like(self.grad_shard, dtype=self.reduce_dtype)
-        self._work = self.comm.reduce_scatter(self._out, self._buffer, async_op=True)
+        self._work = self.comm.reduce_scatter(self._out, self._buffer, async_op=True, scratch=True)
         if self._on_launch is not None:
             self._on_launch()
+        self._inflight.started(self)
+
+    @property
+    def reduced(self) -> bool:
+        """Whether the reduction has completed (folding it in will not block)."""
+        return self._work is not None and self._work.is_completed()
 
     def finish(self) -> None:
-        """After a micro-batch's backward: wait for the reduction and fold it into the shard.
-
-        A bucket whose gradients never all arrived is reduced here (missing ones as zeros), so every
-        rank issues the same collectives in the same order.
-        """
-        self._launch()
-        assert self._work is not None and self._out is not None
+        """Wait for the reduction, fold it into the shard and free the buffer; a no-op when none is pending."""
+        if self._work is None:
+            return
         self._work.wait()
         out = self._out
         if out is not self.grad_shard:
@@ -203,4 +230,16 @@ class GradBucket:
             else:
                 self.grad_shard.add_(out)
         self._fresh = False
+        self._finished = True
         self._reset()
+
+    def end_micro_batch(self) -> None:
+        """After a micro-batch's backward: make sure this bucket was reduced and folded in.
+
+        A bucket whose gradients never all arrived is reduced here (missing ones as zeros), so every
+        rank issues the same collectives in the same order.
+        """
+        if not self._finished:
+            self._launch()
+            self.finish()
+        self._finished = False

@@ -17,8 +17,9 @@ class ZeroOptions:
     """Implementation-specific settings, read from ``TrainSpec.options``; every field has a default."""
 
     bucket_mb: float = 4.0
-    """Stage 2: gradient bucket size in MiB (of the reduce dtype). A bucket is reduce-scattered the
-    moment autograd has produced all of its gradients, overlapping the rest of backward."""
+    """Stages 1 and 2: gradient bucket size in MiB (of the reduce dtype). A bucket is reduce-scattered
+    the moment autograd has produced all of its gradients (stage 1: in the last micro-batch only),
+    overlapping the rest of backward."""
     prefetch: int = 1
     """Stage 3: how many blocks ahead to start gathering, in forward and in backward; 0 gathers each
     block only when it is needed."""

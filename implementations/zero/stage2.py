@@ -11,7 +11,7 @@ from implementations._common import accumulate
 from implementations.zero import checkpoint
 from implementations.zero.comm import Comm
 from implementations.zero.flat import partition_by_numel
-from implementations.zero.grads import GradBucket
+from implementations.zero.grads import GradBucket, InFlight
 from implementations.zero.loop import forward_backward
 from implementations.zero.optim import ShardedOptimizer
 from implementations.zero.options import ZeroOptions
@@ -42,10 +42,12 @@ class ZeRO2Engine:
         reduce_dtype = self.options.reduce_dtype_for(spec)
         self.groups = [ReplicatedParams(chunk, comm=self.comm, dtype=spec.compute_dtype)
                        for chunk in partition_by_numel(named, self.options.bucket_numel(reduce_dtype))]
+        self.inflight = InFlight()
         self.buckets = []
         for group_ in self.groups:
             shard = torch.zeros(group_.layout.shard_numel, dtype=spec.compute_dtype, device=spec.device)
-            bucket = GradBucket(group_.layout, comm=self.comm, reduce_dtype=reduce_dtype, grad_shard=shard)
+            bucket = GradBucket(group_.layout, comm=self.comm, reduce_dtype=reduce_dtype, grad_shard=shard,
+                                inflight=self.inflight)
             for i, p in enumerate(group_.params):
                 p.register_post_accumulate_grad_hook(bucket.hook(i))
             self.buckets.append(bucket)
@@ -63,7 +65,8 @@ class ZeRO2Engine:
     def _forward_backward(self, batch: MicroBatch, n: int) -> torch.Tensor:
         loss = forward_backward(self.model, batch, spec=self.spec, scaler=self.scaler, n=n)
         for bucket in self.buckets:
-            bucket.finish()
+            bucket.end_micro_batch()
+        self.inflight.clear()
         return loss
 
     def _all_gather(self) -> None:

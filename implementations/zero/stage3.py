@@ -11,7 +11,7 @@ from torch import nn
 from implementations._common import accumulate
 from implementations.zero import checkpoint
 from implementations.zero.comm import Comm
-from implementations.zero.grads import GradBucket
+from implementations.zero.grads import GradBucket, InFlight
 from implementations.zero.loop import forward_backward
 from implementations.zero.optim import ShardedOptimizer
 from implementations.zero.options import ZeroOptions
@@ -66,11 +66,12 @@ class ZeRO3Engine:
         self.blocks = [ShardedParams(block, comm=self.comm, dtype=dtype) for block in blocks]
         self.units = ([self.root] if self.root else []) + self.blocks
         reduce_dtype = self.options.reduce_dtype_for(spec)
+        self.inflight = InFlight()
         self.buckets = []
         for unit in self.units:
             shard = torch.zeros(unit.layout.shard_numel, dtype=dtype, device=spec.device)
             bucket = GradBucket(unit.layout, comm=self.comm, reduce_dtype=reduce_dtype, grad_shard=shard,
-                                on_launch=unit.reshard)
+                                inflight=self.inflight, on_launch=unit.reshard)
             for i, p in enumerate(unit.params):
                 p.register_post_accumulate_grad_hook(bucket.hook(i))
             self.buckets.append(bucket)
@@ -90,8 +91,10 @@ class ZeRO3Engine:
 
     def _before_model_forward(self, module: nn.Module, args) -> None:
         if self.root is not None:
-            self.root.unshard()
+            self.root.unshard(async_op=True)
         self._prefetch(range(self.options.prefetch))
+        if self.root is not None:
+            self.root.wait()
 
     def _before_block_forward(self, i: int, module: nn.Module, args) -> None:
         self.blocks[i].unshard()
@@ -121,7 +124,8 @@ class ZeRO3Engine:
     def _forward_backward(self, batch: MicroBatch, n: int) -> torch.Tensor:
         loss = forward_backward(self.model, batch, spec=self.spec, scaler=self.scaler, n=n)
         for bucket in self.buckets:
-            bucket.finish()
+            bucket.end_micro_batch()
+        self.inflight.clear()
         for unit in self.units:
             unit.reshard()
         return loss

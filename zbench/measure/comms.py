@@ -56,9 +56,10 @@ def _kernel(op_name: str):
     def record_and_forward(*args, **kwargs):
         tensors = _flatten(args[index])
         label = getattr(_logical, "label", None)
-        if label is not None:  # the caller said what this collective stands for
-            _logical.label = None
-            _record(label[0], tensors[0].dtype, label[1], label[1] * tensors[0].element_size())
+        if label is not None:  # the caller said what these collectives stand for: record that, once
+            if not label[2]:
+                _record(label[0], tensors[0].dtype, label[1], label[1] * tensors[0].element_size())
+                label[2] = True
         elif tensors:
             _record(name, tensors[0].dtype, factor * sum(t.numel() for t in tensors),
                     factor * sum(t.numel() * t.element_size() for t in tensors))
@@ -78,14 +79,15 @@ def _record(name: str, dtype: torch.dtype, elements: int, nbytes: int) -> None:
 
 @contextlib.contextmanager
 def recorded_as(op: str, elements: int) -> Iterator[None]:
-    """Record the next collective issued in this block as the logical ``op`` of ``elements`` elements.
+    """Record the collectives issued in this block as one logical ``op`` of ``elements`` elements.
 
-    For an implementation that builds one collective from another on a backend
-    that lacks it, as gloo's own reduce-scatter does (an all-reduce, then a
-    slice): the ledger then checks the logical volume, as design §5 asks,
-    rather than the backend's workaround. It labels, it does not measure.
+    For an implementation that builds one collective from others on a backend
+    where that is faster, as gloo's own reduce-scatter does (an all-reduce, then
+    a slice) or an all-gather made of one broadcast per rank: the ledger then
+    checks the logical volume, as design §5 asks, rather than the backend
+    workaround. It labels, it does not measure.
     """
-    _logical.label = (op, elements)
+    _logical.label = [op, elements, False]
     try:
         yield
     finally:
