@@ -39,6 +39,7 @@ implementations:
   - {{name: "{FAULTY}", options: {{fault: oom}}}}
   - {{name: "{FAULTY}", options: {{fault: hang}}}}
   - {{name: "{FAULTY}", options: {{fault: sigkill}}}}
+  - {{name: "{FAULTY}", options: {{fault: abort_at_exit}}}}
 """
 
 
@@ -114,6 +115,13 @@ def test_failures_are_recorded_and_the_suite_goes_on(suite_run, fault, status, t
     assert case["status"] == status
     assert text in case["error"]
     assert case["stderr_tail"]
+
+
+def test_crash_during_shutdown_keeps_results_with_a_warning(suite_run):
+    _, _, run_dir = suite_run
+    case = cases(run_dir)[f"{FAULTY}:abort_at_exit:fp32"]
+    assert case["status"] == "ok" and case["equivalence"]["equivalent"]
+    assert case["warnings"] == ["rank 1 killed by signal SIGABRT after writing its results (during shutdown)"]
 
 
 def test_timeout_leaves_no_orphan_rank(suite_run):

@@ -105,6 +105,8 @@ class Progress:
             summary = record["summary"]
             line += escape(f", {fmt_seconds(summary['step_time_median_s'])}/step, ratio {fmt_ratio(record.get('ratio_to_ddp'))}, "
                            f"{verdict_text(record)}, {record['wall_s']:.1f} s")
+            if record.get("warnings"):
+                line += escape("; WARNING: " + "; ".join(record["warnings"]))
         elif record["status"] != "skipped":
             line = f"[red]{line}[/]"
         self._print(line)

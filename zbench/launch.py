@@ -39,6 +39,7 @@ class Outcome:
     wall_s: float = 0.0
     params_path: Path | None = None
     pids: list[int] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 def free_port() -> int:
@@ -180,7 +181,8 @@ def _classify(case: Case, workdir: Path, procs: list[subprocess.Popen], timed_ou
             errors.append({**json.loads(err.read_text()), "_mtime": err.stat().st_mtime_ns})
     errors.sort(key=lambda e: e["_mtime"])  # the first rank to fail is the cause; peers fail because it died
     error_ranks = {e["rank"] for e in errors}
-    signalled = [r for r, c in sorted(died_before_kill.items()) if c < 0 and r not in error_ranks]
+    finished = {r["rank"] for r in ranks}
+    signalled = [r for r, c in sorted(died_before_kill.items()) if c < 0 and r not in error_ranks | finished]
     failing_rank = errors[0]["rank"] if errors else next((r for r, c in enumerate(codes) if c not in (0, None)), 0)
     tail = _tail(workdir / f"rank{failing_rank}.log") if errors and not signalled else _all_tails(workdir, case.world_size)
     outcome = Outcome(status="ok", ranks=ranks, exit_codes=codes, wall_s=wall_s, stderr_tail=tail)
@@ -198,6 +200,13 @@ def _classify(case: Case, workdir: Path, procs: list[subprocess.Popen], timed_ou
     elif errors:
         outcome.status = "error"
         outcome.error = f"rank {errors[0]['rank']}: {errors[0]['message']}"
+    elif len(ranks) == case.world_size:
+        # every rank handed back its results, then one failed while shutting down: the measurements stand,
+        # the crash is kept as a warning (it is the implementation's bug, not the harness's)
+        outcome.warnings = [f"rank {r} {_describe_exit(c)} after writing its results (during shutdown)"
+                            for r, c in enumerate(codes) if c != 0]
+        if outcome.warnings:
+            outcome.stderr_tail = _all_tails(workdir, case.world_size)
     elif any(c != 0 for c in codes) or len(ranks) != case.world_size:
         outcome.status = "error"
         outcome.error = f"rank {failing_rank} {_describe_exit(codes[failing_rank])} without a result"

@@ -19,8 +19,8 @@ def skipped_record(case: Case) -> dict:
 
 def case_record(case: Case, outcome: Outcome, *, started_at: str, ended_at: str) -> dict:
     record = {"case_id": case.case_id, "config": case.to_dict(), "status": outcome.status, "error": outcome.error,
-              "stderr_tail": outcome.stderr_tail if outcome.status != "ok" else "", "exit_codes": outcome.exit_codes,
-              "rank_pids": outcome.pids,
+              "stderr_tail": outcome.stderr_tail if outcome.status != "ok" or outcome.warnings else "", "exit_codes": outcome.exit_codes,
+              "rank_pids": outcome.pids, "warnings": outcome.warnings,
               "started_at": started_at, "ended_at": ended_at, "wall_s": outcome.wall_s}
     if outcome.status == "ok":
         record.update(_measurements(case, sorted(outcome.ranks, key=lambda r: r["rank"])))

@@ -4,7 +4,7 @@
 ``fault: unsynced`` forgets to average one parameter's gradient across ranks
 (a classic hook bug: training goes on, quietly wrong); ``crash`` raises on
 rank 1; ``oom`` asks for an impossible allocation; ``hang`` leaves rank 1
-asleep so rank 0 blocks in a collective; ``sigkill`` kills rank 1 by a signal; ``slow`` sleeps ``slow_s`` per step.
+asleep so rank 0 blocks in a collective; ``sigkill`` kills rank 1 by a signal; ``abort_at_exit`` aborts rank 1 at interpreter exit; ``slow`` sleeps ``slow_s`` per step.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ class FaultyEngine(DDPEngine):
         super().__init__(model, spec, group)
         self.fault = spec.options.get("fault")
         self.steps = 0
+        if self.fault == "abort_at_exit" and dist.get_rank() == 1:
+            import atexit
+
+            atexit.register(os.abort)  # crashes after the worker has handed back its results
 
     def step(self, micro_batches):
         self.steps += 1
