@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -34,11 +36,19 @@ def split_units(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[
     return root, blocks
 
 
-class ZeRO3Engine:
-    """Every rank keeps only its slice of each unit's parameters, gradients and optimizer state.
+def weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` called through a weak reference to its object (no cycle: parameter hook -> bucket -> unit -> parameter)."""
+    ref = weakref.WeakMethod(method)
 
-    Units are the root (embeddings, final norm, head) and each transformer block, each a flat,
-    padded ``ShardedParams`` with a ``GradBucket``. Module hooks run the schedule:
+    def call() -> None:
+        target = ref()
+        if target is not None:
+            target()
+    return call
+
+
+class Schedule:
+    """When each unit is gathered and freed, driven by module and tensor hooks.
 
     - forward: the root is gathered when the model's forward starts and kept until its gradients are
       reduced at the end of backward (FSDP treats its root the same way); each block is gathered in
@@ -46,11 +56,58 @@ class ZeRO3Engine:
       forward, except the last, whose backward comes next;
     - backward: a hook on each block's output fires before the block's backward: the block is
       gathered (usually already prefetched) and the gathers of the ``prefetch`` blocks before it
-      start; once autograd has produced all the block's gradients they are reduce-scattered
-      asynchronously and the gathered parameters are freed.
+      start. Freeing after backward is the gradient bucket's ``on_launch``.
 
-    Between steps a rank holds shards only; the optimizer writes straight into them, so the next
-    forward's gathers see the updated parameters.
+    Note: the hooks hold this object, not the engine, so the model does not keep its engine alive.
+    """
+
+    def __init__(self, root: ShardedParams | None, blocks: list[ShardedParams], *, prefetch: int) -> None:
+        self.root, self.blocks, self.prefetch = root, blocks, prefetch
+
+    def install(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(self.before_model_forward)
+        for i, block in enumerate(getattr(model, "blocks", [])):
+            block.register_forward_pre_hook(partial(self.before_block_forward, i))
+            block.register_forward_hook(partial(self.after_block_forward, i))
+
+    def _prefetch(self, indices: range) -> None:
+        for j in indices:
+            if 0 <= j < len(self.blocks):
+                self.blocks[j].unshard(async_op=True)
+
+    def before_model_forward(self, module: nn.Module, args) -> None:
+        if self.root is not None:
+            self.root.unshard(async_op=True)
+        self._prefetch(range(self.prefetch))
+        if self.root is not None:
+            self.root.wait()
+
+    def before_block_forward(self, i: int, module: nn.Module, args) -> None:
+        self.blocks[i].unshard()
+        self._prefetch(range(i + 1, i + 1 + self.prefetch))
+
+    def after_block_forward(self, i: int, module: nn.Module, args, output) -> None:
+        backward_follows = torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad
+        if backward_follows:
+            output.register_hook(partial(self.before_block_backward, i))
+            if i == len(self.blocks) - 1:
+                return  # the first block backward needs: keep it
+        self.blocks[i].reshard()
+
+    def before_block_backward(self, i: int, grad: torch.Tensor) -> None:
+        self.blocks[i].unshard()
+        self._prefetch(range(i - 1, i - 1 - self.prefetch, -1))
+
+
+class ZeRO3Engine:
+    """Every rank keeps only its slice of each unit's parameters, gradients and optimizer state.
+
+    Units are the root (embeddings, final norm, head) and each transformer block, each a flat,
+    padded ``ShardedParams`` with a ``GradBucket``; a ``Schedule`` gathers each unit around its
+    forward and backward. Once autograd has produced all of a unit's gradients they are
+    reduce-scattered asynchronously and its gathered parameters are freed. Between steps a rank
+    holds shards only; the optimizer writes straight into them, so the next forward's gathers see
+    the updated parameters.
     """
 
     stage = 3
@@ -71,48 +128,13 @@ class ZeRO3Engine:
         for unit in self.units:
             shard = torch.zeros(unit.layout.shard_numel, dtype=dtype, device=spec.device)
             bucket = GradBucket(unit.layout, comm=self.comm, reduce_dtype=reduce_dtype, grad_shard=shard,
-                                inflight=self.inflight, on_launch=unit.reshard)
+                                inflight=self.inflight, on_launch=weakly(unit.reshard))
             for i, p in enumerate(unit.params):
                 p.register_post_accumulate_grad_hook(bucket.hook(i))
             self.buckets.append(bucket)
-        model.register_forward_pre_hook(self._before_model_forward)
-        for i, block in enumerate(getattr(model, "blocks", [])):
-            block.register_forward_pre_hook(partial(self._before_block_forward, i))
-            block.register_forward_hook(partial(self._after_block_forward, i))
+        Schedule(self.root, self.blocks, prefetch=self.options.prefetch).install(model)
         self.scaler = LossScaler.for_spec(spec, self.options)
         self.optimizer = ShardedOptimizer(self.units, spec=spec, comm=self.comm, scaler=self.scaler)
-
-    # -- the schedule -----------------------------------------------------------------------------------
-
-    def _prefetch(self, indices: range) -> None:
-        for j in indices:
-            if 0 <= j < len(self.blocks):
-                self.blocks[j].unshard(async_op=True)
-
-    def _before_model_forward(self, module: nn.Module, args) -> None:
-        if self.root is not None:
-            self.root.unshard(async_op=True)
-        self._prefetch(range(self.options.prefetch))
-        if self.root is not None:
-            self.root.wait()
-
-    def _before_block_forward(self, i: int, module: nn.Module, args) -> None:
-        self.blocks[i].unshard()
-        self._prefetch(range(i + 1, i + 1 + self.options.prefetch))
-
-    def _after_block_forward(self, i: int, module: nn.Module, args, output) -> None:
-        backward_follows = torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad
-        if backward_follows:
-            output.register_hook(partial(self._before_block_backward, i))
-            if i == len(self.blocks) - 1:
-                return  # the first block backward needs: keep it
-        self.blocks[i].reshard()
-
-    def _before_block_backward(self, i: int, grad: torch.Tensor) -> None:
-        self.blocks[i].unshard()
-        self._prefetch(range(i - 1, i - 1 - self.options.prefetch, -1))
-
-    # -- training ---------------------------------------------------------------------------------------
 
     def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         for bucket in self.buckets:
