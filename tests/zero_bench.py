@@ -77,6 +77,7 @@ def rank_main(rank: int, args: argparse.Namespace, store: str) -> None:
                 paired = statistics.median(t / d for t, d in zip(times[name], times["ddp"]))
                 line += f"  median/ddp {med / ref:.3f}  paired {paired:.3f}"
             print(line)
+    engines.clear()  # drop engines (and their collectives' buffers) before the group goes away
     dist.barrier()
     dist.destroy_process_group()
 
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--impls", nargs="+", default=list(IMPLS))
     parser.add_argument("--options", default="{}", help='zero options by name, JSON: \'{"zero2": {"bucket_mb": 8}}\'')
     parser.add_argument("--variant", action="append", default=[],
-                        help='another engine to time, LABEL=IMPL:JSON_OPTIONS, e.g. \'z2-16mb=zero2:{"bucket_mb": 16}\'')
+                        help='another engine to time, LABEL=IMPL:JSON_OPTIONS, '
+                             'e.g. \'z2-16mb=zero2:{"bucket_mb": 16}\'')
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(rank_main, args=(args, os.path.join(tmp, "store")), nprocs=args.world)

@@ -77,8 +77,9 @@ class ZeRO2Engine:
         return gather_full_parameters(self.groups, comm=self.comm, order=self.names)
 
     def state_bytes(self) -> dict[str, dict[str, int]]:
-        return zero_state_bytes(parameters=self.model.parameters(),
-                                gradients=[p.grad for p in self.model.parameters()] + [b.grad_shard for b in self.buckets],
+        params = list(self.model.parameters())
+        return zero_state_bytes(parameters=params,
+                                gradients=[p.grad for p in params] + [b.grad_shard for b in self.buckets],
                                 optimizer=self.optimizer, device=self.spec.device)
 
     def metrics(self) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""ZeRO stage 3: parameters sharded too; each block gathered just before its forward and its backward, freed right after."""
+"""ZeRO stage 3: parameters sharded too; each block gathered just before its forward and its backward, then freed."""
 
 from __future__ import annotations
 
@@ -37,7 +37,11 @@ def split_units(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[
 
 
 def weakly(method: Callable[[], None]) -> Callable[[], None]:
-    """``method`` called through a weak reference to its object (no cycle: parameter hook -> bucket -> unit -> parameter)."""
+    """``method``, called through a weak reference to its object.
+
+    Note: a unit's gradient bucket calls ``unit.reshard`` and the unit's parameters hold the bucket
+    (through their hooks); a strong reference would make a cycle only the garbage collector frees.
+    """
     ref = weakref.WeakMethod(method)
 
     def call() -> None:
