@@ -6,6 +6,7 @@ One concept per module:
 - ``params``: parameter groups whole on every rank (stages 1, 2) or sharded and gathered on demand (3);
 - ``grads``: gradient buckets reduce-scattered from backward hooks (stages 2, 3);
 - ``optim``: the torch optimizer over fp32 master shards, global-norm clipping, loss scaling;
+- ``engine``: what every stage answers alike (full parameters, metrics, checkpoints);
 - ``comm``, ``precision``, ``options``, ``checkpoint``, ``state``, ``loop``: the small shared pieces;
 - ``stage1``, ``stage2``, ``stage3``: one engine each, built from those pieces.
 """

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import nn
 
 from implementations._common import accumulate
-from implementations.zero import checkpoint
 from implementations.zero.comm import Comm
 from implementations.zero.flat import partition_by_numel
 from implementations.zero.grads import GradBucket, InFlight
@@ -17,11 +15,12 @@ from implementations.zero.optim import ShardedOptimizer
 from implementations.zero.options import ZeroOptions
 from implementations.zero.params import ReplicatedParams
 from implementations.zero.precision import LossScaler
-from implementations.zero.state import gather_full_parameters, zero_state_bytes
+from implementations.zero.engine import ShardedEngine
+from implementations.zero.state import zero_state_bytes
 from zbench.protocol import MicroBatch, TrainSpec
 
 
-class ZeRO2Engine:
+class ZeRO2Engine(ShardedEngine):
     """Parameters whole on every rank, split into buckets; each rank keeps only its slice of each bucket's gradient.
 
     Each bucket is its own flat, padded group (``ReplicatedParams``) with a ``GradBucket``: as soon
@@ -59,7 +58,7 @@ class ZeRO2Engine:
             bucket.begin_step()
         loss = accumulate(micro_batches, lambda batch, _last: self._forward_backward(batch, len(micro_batches)))
         if self.optimizer.step([bucket.grad_shard for bucket in self.buckets]):
-            self._all_gather()
+            self.refresh_parameters()
         return loss
 
     def _forward_backward(self, batch: MicroBatch, n: int) -> torch.Tensor:
@@ -69,28 +68,8 @@ class ZeRO2Engine:
         self.inflight.clear()
         return loss
 
-    def _all_gather(self) -> None:
-        for handle in [group_.all_gather(async_op=True) for group_ in self.groups]:
-            handle.wait()
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return gather_full_parameters(self.groups, comm=self.comm, order=self.names)
-
     def state_bytes(self) -> dict[str, dict[str, int]]:
         params = list(self.model.parameters())
         return zero_state_bytes(parameters=params,
                                 gradients=[p.grad for p in params] + [b.grad_shard for b in self.buckets],
                                 optimizer=self.optimizer, device=self.spec.device)
-
-    def metrics(self) -> dict[str, float]:
-        return {**self.scaler.metrics(), **self.optimizer.metrics()}
-
-    def save(self, path: str | os.PathLike) -> None:
-        checkpoint.save(path, self.optimizer.state_dict(), comm=self.comm, stage=self.stage,
-                        layouts=[g.layout for g in self.groups])
-
-    def load(self, path: str | os.PathLike) -> None:
-        state = checkpoint.load(path, comm=self.comm, stage=self.stage, layouts=[g.layout for g in self.groups],
-                                device=self.spec.device)
-        self.optimizer.load_state_dict(state)
-        self._all_gather()

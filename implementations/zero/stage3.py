@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -11,7 +10,6 @@ import torch
 from torch import nn
 
 from implementations._common import accumulate
-from implementations.zero import checkpoint
 from implementations.zero.comm import Comm
 from implementations.zero.grads import GradBucket, InFlight
 from implementations.zero.loop import forward_backward
@@ -19,7 +17,8 @@ from implementations.zero.optim import ShardedOptimizer
 from implementations.zero.options import ZeroOptions
 from implementations.zero.params import ShardedParams
 from implementations.zero.precision import LossScaler
-from implementations.zero.state import gather_full_parameters, zero_state_bytes
+from implementations.zero.engine import ShardedEngine
+from implementations.zero.state import zero_state_bytes
 from zbench.protocol import MicroBatch, TrainSpec
 
 
@@ -103,7 +102,7 @@ class Schedule:
         self._prefetch(range(i - 1, i - 1 - self.prefetch, -1))
 
 
-class ZeRO3Engine:
+class ZeRO3Engine(ShardedEngine):
     """Every rank keeps only its slice of each unit's parameters, gradients and optimizer state.
 
     Units are the root (embeddings, final norm, head) and each transformer block, each a flat,
@@ -156,23 +155,14 @@ class ZeRO3Engine:
             unit.reshard()
         return loss
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return gather_full_parameters(self.units, comm=self.comm, order=self.names)
-
     def state_bytes(self) -> dict[str, dict[str, int]]:
         params = list(self.model.parameters())
         return zero_state_bytes(parameters=params + [u.shard for u in self.units],
                                 gradients=[p.grad for p in params] + [b.grad_shard for b in self.buckets],
                                 optimizer=self.optimizer, device=self.spec.device)
 
-    def metrics(self) -> dict[str, float]:
-        return {**self.scaler.metrics(), **self.optimizer.metrics()}
+    def flat_groups(self) -> list:
+        return self.units
 
-    def save(self, path: str | os.PathLike) -> None:
-        checkpoint.save(path, self.optimizer.state_dict(), comm=self.comm, stage=self.stage,
-                        layouts=[u.layout for u in self.units])
-
-    def load(self, path: str | os.PathLike) -> None:
-        state = checkpoint.load(path, comm=self.comm, stage=self.stage, layouts=[u.layout for u in self.units],
-                                device=self.spec.device)
-        self.optimizer.load_state_dict(state)
+    def refresh_parameters(self) -> None:
+        """Stage 3's parameters are the shards themselves: nothing to gather after a load."""

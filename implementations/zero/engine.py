@@ -1,0 +1,44 @@
+"""What every stage's engine answers the same way: full parameters, metrics, sharded checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from implementations.zero import checkpoint
+from implementations.zero.state import gather_full_parameters
+
+
+class ShardedEngine:
+    """Shared tail of ``ZeRO1Engine``, ``ZeRO2Engine`` and ``ZeRO3Engine``.
+
+    A subclass sets ``stage``, ``comm``, ``names``, ``optimizer`` and ``scaler``
+    and says which flat parameter groups it holds (``flat_groups``).
+    """
+
+    stage: int
+
+    def flat_groups(self) -> list:
+        return self.groups
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return gather_full_parameters(self.flat_groups(), comm=self.comm, order=self.names)
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.scaler.metrics(), **self.optimizer.metrics()}
+
+    def save(self, path: str | os.PathLike) -> None:
+        checkpoint.save(path, self.optimizer.state_dict(), comm=self.comm, stage=self.stage,
+                        layouts=[g.layout for g in self.flat_groups()])
+
+    def load(self, path: str | os.PathLike) -> None:
+        state = checkpoint.load(path, comm=self.comm, stage=self.stage,
+                                layouts=[g.layout for g in self.flat_groups()], device=self.spec.device)
+        self.optimizer.load_state_dict(state)
+        self.refresh_parameters()
+
+    def refresh_parameters(self) -> None:
+        """Stages 1 and 2 hold full parameters: all-gather them from the updated shards (after a step or a load)."""
+        for handle in [group.all_gather(async_op=True) for group in self.flat_groups()]:
+            handle.wait()
