@@ -2,6 +2,12 @@
 
 Each transformer block is its own FSDP unit (gathered before its forward,
 resharded after), then the root module, the layout torchtitan uses.
+
+Offload: FSDP2's ``CPUOffloadPolicy`` keeps the sharded fp32 parameters, their
+gradients and the optimizer state on the host and runs the optimizer step
+there; parameters are copied to the device before each unit's all-gather. That
+is the suite's ``optimizer+params`` mode; FSDP2 cannot offload the optimizer
+alone nor to NVMe, so those modes are skipped with that reason.
 """
 
 from __future__ import annotations
@@ -9,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from implementations._common import accumulate, full_parameters_of
-from zbench.measure.state import module_state_bytes
+from zbench.measure.state import module_state_bytes, moved_to_host
 from zbench.protocol import Capabilities, MicroBatch, TrainSpec
 
 
@@ -22,9 +28,11 @@ class FSDPEngine:
         mesh = DeviceMesh.from_group(group, spec.device.type) if group is not None else None
         policy = MixedPrecisionPolicy(param_dtype=spec.compute_dtype if spec.precision != "fp32" else None,
                                       reduce_dtype=torch.float32)
+        offload = (CPUOffloadPolicy(pin_memory=spec.device.type == "cuda") if spec.offload == "optimizer+params"
+                   else OffloadPolicy())
         for block in getattr(model, "blocks", []):
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        self.model = fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
+        self.model = fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
         self.optimizer = spec.make_optimizer(self.model.parameters())
 
     def _forward_backward(self, batch: MicroBatch, is_last: bool, n: int) -> torch.Tensor:
@@ -45,12 +53,14 @@ class FSDPEngine:
         return full_parameters_of(self.model)
 
     def state_bytes(self) -> dict[str, dict[str, int]]:
-        return module_state_bytes(self.model.parameters(), self.optimizer, compute_device=self.spec.device)
+        state = module_state_bytes(self.model.parameters(), self.optimizer, compute_device=self.spec.device)
+        return moved_to_host(state) if self.spec.offload != "none" else state
 
 
 class FSDP:
     name = "fsdp"
-    capabilities = Capabilities(stages=frozenset({3}), precisions=frozenset({"fp32", "bf16"}))
+    capabilities = Capabilities(stages=frozenset({3}), precisions=frozenset({"fp32", "bf16"}),
+                                offload=frozenset({"none", "optimizer+params"}), offload_keeps_master=False)
 
     def expected_comm_elements(self, cfg, world: int) -> int:
         """Design's 3Ψ less one gather of the root unit: FSDP2 keeps the root's parameters gathered from

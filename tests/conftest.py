@@ -20,9 +20,15 @@ class CLIResult:
     stderr: str
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process: this checkout first on PYTHONPATH, the caller's path kept after it."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def zbench(*args: str, cwd: Path = ROOT, timeout: float = 600) -> CLIResult:
     """Run ``python -m zbench ARGS`` the way a user would (a fresh process, real files)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env = child_env(COLUMNS="200")
     proc = subprocess.run([sys.executable, "-m", "zbench", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     return CLIResult(proc.returncode, proc.stdout, proc.stderr)
@@ -30,7 +36,7 @@ def zbench(*args: str, cwd: Path = ROOT, timeout: float = 600) -> CLIResult:
 
 def zbench_many(arg_lists: list[list[str]], cwd: Path = ROOT, timeout: float = 300) -> list[CLIResult]:
     """Run several CLI invocations concurrently (each pays torch's import once; together they overlap)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env = child_env(COLUMNS="200")
     procs = [subprocess.Popen([sys.executable, "-m", "zbench", *args], cwd=cwd, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
              for args in arg_lists]

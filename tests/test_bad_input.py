@@ -7,6 +7,7 @@ import pytest
 from tests.conftest import zbench_many
 
 GOOD = "models: [tiny]\nimplementations: [ddp]\nworld_sizes: [2]\ndevice: cpu\n"
+NVME = GOOD.replace("[ddp]", "[zero2]") + "offload: [nvme]\n"
 
 # (test id, suite text or None for "no file", extra CLI args, text the one line must contain)
 CASES = [
@@ -37,6 +38,11 @@ CASES = [
     ("steps-not-a-number", GOOD + "steps: many\n", [], "valid integer"),
     ("resume-unknown-run", GOOD, ["--resume", "nope"], "no such run"),
     ("results-not-a-directory", GOOD, ["--results", "/dev/null/x"], "not writable"),
+    ("nvme-without-dir", NVME, [], "sets no nvme_dir"),
+    ("nvme-dir-missing", NVME + "nvme_dir: /no/such/dir\n", [], "does not exist"),
+    ("nvme-dir-a-file", NVME + "nvme_dir: /dev/null\n", [], "not a directory"),
+    ("nvme-dir-not-writable", NVME + "nvme_dir: /proc\n", [], "not writable"),
+    ("nvme-dir-too-small", NVME.replace("[tiny]", "[gpt-70b]") + "nvme_dir: /tmp\n", [], "GiB free"),
 ]
 
 

@@ -28,16 +28,28 @@ def test_bytes_per_parameter_match_the_zero_paper():
     assert rows_by_name(precision="fp32")["DDP"].model_state_device_bytes / PSI == pytest.approx(16)
 
 
-def test_offload_moves_bytes_off_the_device_without_losing_any():
+def test_offload_moves_bytes_off_the_device_and_adds_only_the_host_gradient_partition():
+    """Offload moves optimizer state and masters off the device; the host optimizer step needs its own fp32
+    gradient partition (4 bytes/param/N), which at stages 2-3 replaces the device's gradient shard."""
+    total = lambda p: sum(sum(v.values()) for v in p.values())
+    device = lambda p: sum(v["device"] for v in p.values())
     for stage in (1, 2, 3):
         base = placement(params=PSI, world=8, stage=stage, precision="bf16", offload="none")
         for offload in ("optimizer", "nvme") + (("optimizer+params",) if stage == 3 else ()):
             moved = placement(params=PSI, world=8, stage=stage, precision="bf16", offload=offload)
-            total = lambda p: sum(sum(v.values()) for v in p.values())
-            assert total(moved) == pytest.approx(total(base))
+            device_grads = base["gradients"]["device"] if stage >= 2 else 0
+            assert total(moved) == pytest.approx(total(base) + 4 * PSI / 8 - device_grads)
+            assert device(moved) < device(base)
             assert moved["optimizer_state"]["device"] == 0 and moved["master_weights"]["device"] == 0
+            assert moved["gradients"]["host"] == pytest.approx(4 * PSI / 8)
     nvme = placement(params=PSI, world=8, stage=3, precision="bf16", offload="nvme")
     assert nvme["optimizer_state"]["disk"] > 0 and nvme["parameters"]["disk"] > 0
+
+
+def test_fp32_offload_keeps_a_separate_host_master():
+    fp32 = placement(params=PSI, world=8, stage=2, precision="fp32", offload="optimizer")
+    assert fp32["master_weights"] == {"device": 0.0, "host": 4 * PSI / 8, "disk": 0.0}
+    assert fp32["parameters"]["device"] == 4 * PSI
 
 
 def test_70b_fits_8_gpus_of_24_gb_with_zero3_offload_but_not_with_ddp():

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import ROOT, zbench, zbench_many
+from tests.conftest import ROOT, child_env, zbench, zbench_many
 
 SUITE = """
 device: cpu
@@ -49,7 +49,7 @@ def wait_for(predicate, timeout: float = 120.0, what: str = "") -> None:
 def test_harness_killed_mid_suite_then_resume(tmp_path):
     suite = write_suite(tmp_path / "s.yaml", steps=30, impls="ddp, torch_zero, fsdp")
     results = tmp_path / "results"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     harness = subprocess.Popen([sys.executable, "-m", "zbench", "run", str(suite), "--results", str(results),
                                 "--report", str(tmp_path / "rep")], cwd=ROOT, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -124,7 +124,7 @@ def test_too_little_space_is_refused_before_any_work(small_fs, tmp_path):
 def test_disk_filling_up_mid_suite_stops_cleanly_and_keeps_what_was_stored(small_fs, tmp_path):
     suite = write_suite(tmp_path / "s.yaml", steps=20, impls="ddp, torch_zero")
     results = small_fs / "results"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     harness = subprocess.Popen([sys.executable, "-m", "zbench", "run", str(suite), "--results", str(results),
                                 "--report", str(tmp_path / "rep")], cwd=ROOT, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)

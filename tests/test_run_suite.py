@@ -172,6 +172,22 @@ def test_communication_ledger_matches_theory(suite_run):
     assert set(c["fsdp::fp32"]["comms"]["by_op"]) == {"all_gather (float32)", "reduce_scatter (float32)"}
 
 
+def test_step_split_and_communication_to_compute_ratio(suite_run):
+    """Forward/backward/optimizer come from hooks every implementation triggers; they add up to the step."""
+    _, _, run_dir = suite_run
+    c = cases(run_dir)
+    for key in ("ddp::fp32", "fsdp::fp32", "torch_zero::fp32"):
+        ph, cm = c[key]["phases"], c[key]["comms"]
+        assert ph["clock"] == "perf_counter" and ph["device_step_s"] is None
+        assert ph["forward_s"] > 0 and ph["backward_s"] > 0 and ph["optimizer_s"] > 0, (key, ph)
+        for step in c[key]["steps"]:
+            parts = step["forward_s"] + step["backward_s"] + step["optimizer_s"]
+            assert parts <= step["step_time_s"] * 1.01  # the split lies inside the barrier-bracketed step
+        assert cm["bus_bandwidth_bytes_per_s"] > 0
+        assert cm["est_time_s"] == pytest.approx(cm["bytes_per_step"] / cm["bus_bandwidth_bytes_per_s"])
+        assert cm["comm_to_compute"] == pytest.approx(cm["est_time_s"] / (ph["forward_s"] + ph["backward_s"]))
+
+
 def test_derived_figures_and_time_to_target(suite_run):
     _, _, run_dir = suite_run
     case = cases(run_dir)["ddp::fp32"]

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.conftest import child_env  # noqa: E402
 from zbench.formulas import expected_state_bytes  # noqa: E402
 from zbench.models import PRESETS  # noqa: E402
 
@@ -201,7 +202,7 @@ WORLDS = (1, 2, 3, 4)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, dict[int, dict]]:
     base = Path(tempfile.mkdtemp(prefix="zero_engine_", dir=tmp_path_factory.getbasetemp()))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     procs = {}
     start = time.perf_counter()
     for world in WORLDS:
@@ -375,7 +376,7 @@ def test_registered_with_capabilities(name, stage):
     impl = registry.resolve(name)
     assert impl.name == name and impl.capabilities.stages == {stage}
     assert impl.capabilities.precisions == {"fp32", "bf16", "fp16"}
-    assert impl.capabilities.offload == {"none"}
+    assert impl.capabilities.offload == ({"none", "optimizer", "nvme"} | ({"optimizer+params"} if stage == 3 else set()))
 
 
 def test_unknown_option_is_a_clear_error():

@@ -56,24 +56,42 @@ def offload_supported(stage: int, offload: str) -> str | None:
 
 
 def placement(*, params: int, world: int, stage: int, precision: str, offload: str, optimizer: str = "adamw",
-              momentum: float = 0.0, master_weights: bool | None = None) -> dict[str, dict[str, float]]:
+              momentum: float = 0.0, master_weights: bool | None = None,
+              offload_master: bool = True) -> dict[str, dict[str, float]]:
     """Predicted bytes per rank by category *and location* (device, host, disk).
 
-    Offload moves the optimizer part (optimizer state and master weights) to the
-    host, or to disk for ``nvme``, and with it the optimizer step, so the
-    gradient *partitions* of stages 2 and 3 live on the host too (ZeRO-Offload;
-    stage 1 still holds full gradients on the device before reducing them).
-    ``optimizer+params`` also moves the partitioned parameters to the host;
-    ``nvme`` at stage 3 puts the partitioned parameters on disk as well
-    (ZeRO-Infinity).
+    Without offload this is ``expected_state_bytes``, all on the device. With
+    offload (ZeRO-Offload, ZeRO-Infinity), the optimizer step runs on the host
+    over fp32 copies, so whatever the compute precision:
+
+    - optimizer state and fp32 master weights (Ψ/N each; in fp32 training the
+      master is a host copy of the parameter shard, a tensor of its own) live
+      on the host, or on disk for ``nvme``;
+    - the optimizer's fp32 gradient partition (4·Ψ/N) lives on the host; at
+      stage 1 the device also keeps its full gradients (it reduces them after
+      backward), at stages 2-3 the device keeps none between steps (buckets are
+      reduce-scattered and copied out as backward runs);
+    - parameters stay on the device, except at stage 3 where the partitioned
+      parameters move to the host (``optimizer+params``) or to disk (``nvme``).
+
+    ``offload_master=False`` describes offload that keeps no separate master:
+    FSDP2's CPU offload keeps the fp32 parameter shard on the host and steps it
+    in place (with ``master_weights=False`` its parameters count 4 bytes).
     """
     by_cat = expected_state_bytes(params=params, world=world, stage=stage, precision=precision,
                                   optimizer=optimizer, momentum=momentum, master_weights=master_weights)
     out = {c: {"device": 0.0, "host": 0.0, "disk": 0.0} for c in by_cat}
-    optim_loc = {"none": "device", "optimizer": "host", "optimizer+params": "host", "nvme": "disk"}[offload]
+    if offload == "none":
+        for cat, b in by_cat.items():
+            out[cat]["device"] = b
+        return out
+    shard = params / world
+    optim_loc = "disk" if offload == "nvme" else "host"
+    out["optimizer_state"][optim_loc] = by_cat["optimizer_state"]
+    out["master_weights"][optim_loc] = 4 * shard if offload_master else 0.0
+    out["gradients"]["host"] = 4 * shard
+    if stage == 1:
+        out["gradients"]["device"] = by_cat["gradients"]
     param_loc = {"optimizer+params": "host", "nvme": "disk"}.get(offload, "device") if stage == 3 else "device"
-    grad_loc = "host" if offload != "none" and stage >= 2 else "device"
-    locations = {"optimizer_state": optim_loc, "master_weights": optim_loc, "parameters": param_loc, "gradients": grad_loc}
-    for cat, b in by_cat.items():
-        out[cat][locations[cat]] += b
+    out["parameters"][param_loc] = by_cat["parameters"]
     return out

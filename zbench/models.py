@@ -58,6 +58,8 @@ class GPTConfig:
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(layers=2, d_model=64, heads=2, vocab=256, seq=32),
     "small": GPTConfig(layers=4, d_model=256, heads=4, vocab=1024, seq=128),
+    # ~41M parameters: AdamW state of 330 MB, big enough that offloading it shows in a CPU rank's resident memory
+    "medium": GPTConfig(layers=4, d_model=768, heads=12, vocab=8192, seq=128),
     "gpt-125m": GPTConfig(layers=12, d_model=768, heads=12, vocab=50304, seq=2048),
     "gpt-350m": GPTConfig(layers=24, d_model=1024, heads=16, vocab=50304, seq=2048),
     "gpt-760m": GPTConfig(layers=24, d_model=1536, heads=16, vocab=50304, seq=2048),

@@ -45,6 +45,9 @@ class Capabilities:
     keeps_master_weights: bool = False
     """True when mixed precision keeps a low-precision compute copy plus fp32 master weights
     (the ZeRO layout); False for autocast trainers that keep fp32 parameters (DDP, FSDP2)."""
+    offload_keeps_master: bool = True
+    """True when offloading keeps a separate fp32 master shard on the host next to the compute shard (ZeRO-Offload,
+    even in fp32); False when the offloaded fp32 shard is itself what the optimizer steps (FSDP2's CPU offload)."""
 
     def why_unsupported(self, *, stage: int, precision: str, offload: str, device: str,
                         optimizer: str, grad_accum: int, grad_clip: float | None) -> str | None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import statistics
+
 from zbench import registry
-from zbench.formulas import expected_state_bytes
+from zbench.formulas import placement
 from zbench.launch import Outcome
 from zbench.measure.comms import theory_elements as comm_theory
 from zbench.measure.flops import derived
@@ -33,11 +35,14 @@ def _measurements(case: Case, ranks: list[dict]) -> dict:
         loss = sum(r["losses"][i] for r in ranks) / len(ranks)
         seconds = max(r["step_times_s"][i] for r in ranks)
         steps.append({"step": i, "loss": loss, "step_time_s": seconds, "warmup": i < case.warmup_steps,
-                      **ranks[0]["metrics"][i]})
+                      **ranks[0]["phases"][i], **ranks[0]["metrics"][i]})
     stats = summarize([s["step_time_s"] for s in steps if not s["warmup"]])
     tokens_per_step = case.global_batch * case.seq_len
     params = ranks[0]["parameters"]
     cfg = get_config(case.model)
+    comms = comm_summary(case, ranks, params)
+    phases = phase_summary(steps, ranks[0]["clock"])
+    comms["comm_to_compute"] = comm_to_compute(comms, phases)
     return {
         "throughput": {**derived(cfg, tokens_per_step=tokens_per_step, step_time_s=stats["median"], world=case.world_size,
                                  precision=case.precision, gpu_name=ranks[0].get("gpu_name")),
@@ -54,7 +59,8 @@ def _measurements(case: Case, ranks: list[dict]) -> dict:
         "memory": {"kind": ranks[0]["memory"]["kind"], "peak_bytes": max(r["memory"]["bytes"] for r in ranks),
                    "per_rank": [r["memory"] for r in ranks]},
         "model_state": model_state(case, ranks, params),
-        "comms": comm_summary(case, ranks, params),
+        "comms": comms,
+        "phases": phases,
     }
 
 
@@ -72,10 +78,30 @@ def comm_summary(case: Case, ranks: list[dict], params: int) -> dict:
             slot[k] += e[k]
     expected = ranks[0]["expected_comm_elements"]
     design = comm_theory(params, case.stage)
-    return {"elements_per_step": median, "bytes_per_step": sum(v["bytes"] for v in by_op.values()),
+    bytes_per_step = sum(v["bytes"] for v in by_op.values())
+    bandwidth = min((r["bus_bandwidth_bytes_per_s"] for r in ranks if r.get("bus_bandwidth_bytes_per_s")), default=None)
+    return {"elements_per_step": median, "bytes_per_step": bytes_per_step,
             "per_step_elements": per_step, "by_op": by_op,
             "expected_elements": expected, "design_elements": design,
-            "error_rel": (median - expected) / expected if expected else None}
+            "error_rel": (median - expected) / expected if expected else None,
+            "bus_bandwidth_bytes_per_s": bandwidth,
+            "est_time_s": bytes_per_step / bandwidth if bandwidth else None}
+
+
+def phase_summary(steps: list[dict], clock: str) -> dict:
+    """Median forward / backward / optimizer seconds over the timed steps (rank 0, see zbench.measure.phases)."""
+    timed = [s for s in steps if not s["warmup"]]
+    out: dict = {"clock": clock}
+    for key in ("device_step_s", "forward_s", "backward_s", "optimizer_s"):
+        values = [s[key] for s in timed if s.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    return out
+
+
+def comm_to_compute(comms: dict, phases: dict) -> float | None:
+    """Estimated communication time per step (volume / probed bandwidth) over forward + backward time."""
+    compute = (phases.get("forward_s") or 0.0) + (phases.get("backward_s") or 0.0)
+    return comms["est_time_s"] / compute if comms.get("est_time_s") is not None and compute > 0 else None
 
 
 def energy_summary(ranks: list[dict], steps: int, tokens_per_step: int) -> dict:
@@ -102,16 +128,22 @@ def time_to_target(steps: list[dict], target: float | None) -> dict | None:
 
 
 def model_state(case: Case, ranks: list[dict], params: int) -> dict:
-    """Measured bytes (the fullest rank) by category and location next to the ZeRO formula's prediction."""
+    """Measured bytes (the fullest rank) by category and location next to the formulas' placement (design §5)."""
     per_rank = [r["state_bytes"] for r in ranks]
     fullest = max(per_rank, key=lambda s: sum(sum(v.values()) for v in s.values()))
     measured = {c: {loc: fullest.get(c, {}).get(loc, 0) for loc in LOCATIONS} for c in CATEGORIES}
     caps = registry.resolve(case.implementation).capabilities
-    expected = expected_state_bytes(params=params, world=case.world_size, stage=case.stage, precision=case.precision,
-                                    optimizer=case.optimizer, momentum=case.momentum,
-                                    master_weights=caps.keeps_master_weights and case.precision != "fp32")
-    measured_total = sum(sum(v.values()) for v in measured.values())
-    expected_total = sum(expected.values())
-    return {"measured": measured, "expected": expected, "per_rank": per_rank,
+    predicted = placement(params=params, world=case.world_size, stage=case.stage, precision=case.precision,
+                          offload=case.offload, optimizer=case.optimizer, momentum=case.momentum,
+                          master_weights=caps.keeps_master_weights and case.precision != "fp32",
+                          offload_master=caps.offload_keeps_master)
+    by_location = {loc: {"measured": sum(measured[c][loc] for c in CATEGORIES),
+                         "predicted": sum(predicted[c][loc] for c in CATEGORIES)} for loc in LOCATIONS}
+    for v in by_location.values():
+        v["error_rel"] = (v["measured"] - v["predicted"]) / v["predicted"] if v["predicted"] else None
+    measured_total = sum(v["measured"] for v in by_location.values())
+    expected_total = sum(v["predicted"] for v in by_location.values())
+    return {"measured": measured, "predicted": predicted, "by_location": by_location,
+            "expected": {c: sum(predicted[c].values()) for c in CATEGORIES}, "per_rank": per_rank,
             "measured_total": measured_total, "expected_total": expected_total,
             "error_rel": (measured_total - expected_total) / expected_total if expected_total else None}

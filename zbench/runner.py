@@ -5,10 +5,10 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from zbench import environment, equivalence
+from zbench import environment, equivalence, nvme
 from zbench.console import Progress
 from zbench.errors import UsageError
 from zbench.launch import run_case
@@ -112,13 +112,25 @@ def _run_guarded(case: Case, run: RunDir, records: dict[str, dict], index: int, 
 
 def _run_one(case: Case, run: RunDir, records: dict[str, dict], index: int, progress: Progress) -> dict:
     started_at, t0 = now(), time.monotonic()
-    with tempfile.TemporaryDirectory(prefix=f"zbench-{case.case_id}-") as tmp:
-        progress.case_started(index, case)
-        outcome = run_case(case, Path(tmp), on_progress=lambda what: progress.case_update(index, case, what, time.monotonic() - t0))
-        record = case_record(case, outcome, started_at=started_at, ended_at=now())
-        if outcome.params_path is not None:
-            atomic_write_bytes(run.params_path(case.case_id), outcome.params_path.read_bytes())
-            record["params_file"] = str(run.params_path(case.case_id).relative_to(run.path))
+    try:
+        with nvme.case_directory(case, run.run_id) as swap_dir, \
+                tempfile.TemporaryDirectory(prefix=f"zbench-{case.case_id}-") as tmp:
+            return _launch(case, run, records, index, progress, swap_dir, Path(tmp), started_at, t0)
+    except UsageError as exc:  # the NVMe directory went away or filled up since the suite was checked
+        return {**skipped_record(case), "status": "error", "skip_reason": None, "error": str(exc),
+                "started_at": started_at, "ended_at": now()}
+
+
+def _launch(case: Case, run: RunDir, records: dict[str, dict], index: int, progress: Progress, swap_dir: str | None,
+            tmp: Path, started_at: str, t0: float) -> dict:
+    """Launch the case's ranks (pointed at its private NVMe directory, if any) and turn what they left into a record."""
+    progress.case_started(index, case)
+    launched = case if swap_dir is None else replace(case, nvme_dir=swap_dir)
+    outcome = run_case(launched, tmp, on_progress=lambda what: progress.case_update(index, case, what, time.monotonic() - t0))
+    record = case_record(case, outcome, started_at=started_at, ended_at=now())
+    if outcome.params_path is not None:
+        atomic_write_bytes(run.params_path(case.case_id), outcome.params_path.read_bytes())
+        record["params_file"] = str(run.params_path(case.case_id).relative_to(run.path))
     if record["status"] == "ok":
         _compare_with_reference(case, record, run, records)
     return record

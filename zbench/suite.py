@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from zbench import registry
+from zbench import nvme, registry
 from zbench.errors import UsageError
 from zbench.models import PRESETS, get_config
 
@@ -318,4 +318,6 @@ def build(config: SuiteConfig, *, path: str | None, raw: bytes | None = None) ->
     device = resolve_device(config.device)
     check_world_sizes(device, config.world_sizes, source)
     raw = raw if raw is not None else config.model_dump_json().encode()
-    return Suite(path=path, sha256=hashlib.sha256(raw).hexdigest(), config=config, cases=tuple(expand(config)))
+    cases = tuple(expand(config))
+    nvme.check_suite(cases, config.nvme_dir)
+    return Suite(path=path, sha256=hashlib.sha256(raw).hexdigest(), config=config, cases=cases)

@@ -24,8 +24,10 @@ import torch.distributed as dist
 
 from zbench import registry
 from zbench.measure import comms
+from zbench.measure.bandwidth import probe_bus_bandwidth
 from zbench.measure.memory import peak_memory
 from zbench.measure.nvml import NvmlSampler
+from zbench.measure.phases import PhaseClock, clock_name
 from zbench.measure.timing import timed
 from zbench.models import build_model, get_config, rank_micro_batches, synthetic_batch
 from zbench.protocol import TrainSpec
@@ -57,6 +59,8 @@ def nvml_index(device: torch.device) -> int:
 
 def expected_comm_elements(implementation, cfg, world: int, stage: int) -> int:
     """The implementation's own account of its traffic when it declares one, else the design's formula."""
+    if world == 1:
+        return 0  # one rank has nothing to exchange (implementations may still call collectives: DDP does)
     declared = getattr(implementation, "expected_comm_elements", None)
     return int(declared(cfg, world)) if callable(declared) else comms.theory_elements(cfg.num_parameters, stage)
 
@@ -68,25 +72,37 @@ def train(case: dict, workdir: Path, rank: int, world: int, device: torch.device
     model = build_model(case["model"], seed=case["seed"], device=device)
     engine = implementation.build(model, train_spec(case, device), dist.group.WORLD)
     rows = case["micro_batch"] * case["grad_accum"] * world
-    losses, times, metrics, comm_steps = [], [], [], []
+    losses, times, metrics, comm_steps, phases = [], [], [], [], []
+    bandwidth = probe_bus_bandwidth(device)
+    clock = PhaseClock(model, device).attach()
     sampler = NvmlSampler(nvml_index(device)).start() if device.type == "cuda" else None
-    for step in range(case["steps"]):
-        batch = synthetic_batch(data_cfg, seed=case["seed"], step=step, rows=rows)
-        micro_batches = rank_micro_batches(batch, rank=rank, world=world, grad_accum=case["grad_accum"], device=device)
-        comms.take()  # drop set-up traffic (DDP's initial broadcast, ...)
-        loss, seconds = timed(lambda: engine.step(micro_batches), device=device, barrier=dist.barrier)
-        comm_steps.append(comms.take())
-        losses.append(float(loss))
-        times.append(seconds)
-        metrics.append(engine.metrics() if hasattr(engine, "metrics") else {})
-        if rank == 0:
-            (workdir / "progress").write_text(f"{step + 1}/{case['steps']}")
-    nvml = sampler.stop() if sampler else {"available": False, "reason": "CPU run"}
-    state = engine.state_bytes()
-    params = engine.full_parameters()
+    try:
+        for step in range(case["steps"]):
+            batch = synthetic_batch(data_cfg, seed=case["seed"], step=step, rows=rows)
+            micro_batches = rank_micro_batches(batch, rank=rank, world=world, grad_accum=case["grad_accum"],
+                                               device=device)
+            comms.take()  # drop set-up traffic (DDP's initial broadcast, the bandwidth probe, ...)
+            loss, seconds = timed(lambda: clock.run(lambda: engine.step(micro_batches)), device=device,
+                                  barrier=dist.barrier)
+            comm_steps.append(comms.take())
+            phases.append(clock.read())
+            losses.append(float(loss))
+            times.append(seconds)
+            metrics.append(engine.metrics() if hasattr(engine, "metrics") else {})
+            if rank == 0:
+                (workdir / "progress").write_text(f"{step + 1}/{case['steps']}")
+        clock.detach()
+        nvml = sampler.stop() if sampler else {"available": False, "reason": "CPU run"}
+        state = engine.state_bytes()
+        params = engine.full_parameters()
+    finally:
+        close = getattr(engine, "close", None)  # e.g. remove NVMe swap files
+        if callable(close):
+            close()
     if rank == 0:
         atomic_torch_save(params, workdir / "params.pt")
     return {"rank": rank, "losses": losses, "step_times_s": times, "metrics": metrics, "comms": comm_steps,
+            "phases": phases, "clock": clock_name(device), "bus_bandwidth_bytes_per_s": bandwidth,
             "expected_comm_elements": expected_comm_elements(implementation, cfg, world, case["stage"]),
             "memory": peak_memory(device), "state_bytes": state, "nvml": nvml,
             "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

@@ -1,7 +1,11 @@
 """Model FLOPs, achieved TFLOP/s and MFU (design §5): 6·(Ψ − embeddings) + attention FLOPs per token.
 
-Peak throughput is looked up by GPU name (dense bf16/fp16 tensor-core figures;
-fp32 runs use the TF32 figure) and can be overridden with ``ZBENCH_PEAK_TFLOPS``.
+Peak throughput is looked up by GPU name (dense bf16/fp16 tensor-core figures)
+and can be overridden with ``ZBENCH_PEAK_TFLOPS``. fp32 runs are measured
+against the GPU's plain FP32 peak, not TF32's: zbench leaves torch's default
+``float32_matmul_precision("highest")``, so fp32 matrix products do not use
+TF32 tensor cores (the H100 ran GPT-125M fp32 at 42 TFLOP/s, 8% of TF32's
+494 but 63% of FP32's 67).
 On a CPU there is no meaningful peak: MFU is left out and only TFLOP/s is given.
 """
 
@@ -11,14 +15,14 @@ import os
 
 from zbench.models import GPTConfig
 
-#: name fragment -> (dense bf16/fp16 TFLOP/s, dense TF32 TFLOP/s)
+#: name fragment -> (dense bf16/fp16 tensor-core TFLOP/s, FP32 TFLOP/s); SXM figures for H100/H200/A100
 PEAK_TFLOPS = {
-    "H200": (989.0, 494.0),
-    "H100": (989.0, 494.0),
-    "A100": (312.0, 156.0),
-    "L40S": (362.0, 183.0),
-    "A10G": (125.0, 62.5),
-    "L4": (121.0, 60.0),
+    "H200": (989.0, 67.0),
+    "H100": (989.0, 67.0),
+    "A100": (312.0, 19.5),
+    "L40S": (362.0, 91.6),
+    "A10G": (125.0, 31.2),
+    "L4": (121.0, 30.3),
     "V100": (125.0, 15.7),
 }
 

@@ -3,7 +3,8 @@
 Two ranks (gloo) train the ``small`` GPT with DDP (micro-batch 4, AdamW, fp32)
 in alternating blocks of steps: *bare* (``engine.step`` and nothing else) and
 *instrumented* (everything the worker does per step: the communication ledger,
-barrier-bracketed timing, ledger snapshots, metrics). Interleaving cancels
+barrier-bracketed timing, the forward/backward/optimizer phase clock, ledger
+snapshots, metrics). Interleaving cancels
 drift. Overhead is the median instrumented block time over the median bare one,
 minus one.
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zbench.measure import comms
+from zbench.measure.phases import PhaseClock
 from zbench.measure.timing import timed
 
 
@@ -37,7 +39,9 @@ def _rank(rank: int, world: int, port: int, rounds: int, block: int, model: str,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     device = torch.device("cpu")
-    engine = DDP().build(build_model(model, seed=0), TrainSpec(device=device), dist.group.WORLD)
+    module = build_model(model, seed=0)
+    engine = DDP().build(module, TrainSpec(device=device), dist.group.WORLD)
+    clock = PhaseClock(module, device)
     cfg = get_config(model)
     batches = [rank_micro_batches(synthetic_batch(cfg, seed=0, step=i, rows=4 * world), rank=rank, world=world,
                                   grad_accum=1) for i in range(block)]
@@ -49,8 +53,9 @@ def _rank(rank: int, world: int, port: int, rounds: int, block: int, model: str,
     def instrumented() -> None:
         for mbs in batches:
             comms.take()
-            loss, _ = timed(lambda: engine.step(mbs), device=device, barrier=dist.barrier)
+            loss, _ = timed(lambda: clock.run(lambda: engine.step(mbs)), device=device, barrier=dist.barrier)
             comms.take()
+            clock.read()
             float(loss)
             getattr(engine, "metrics", dict)()
 
@@ -58,7 +63,12 @@ def _rank(rank: int, world: int, port: int, rounds: int, block: int, model: str,
     times = {"bare": [], "instrumented": []}
     for r in range(rounds):
         for mode in (("bare", "instrumented") if r % 2 == 0 else ("instrumented", "bare")):
-            comms.install() if mode == "instrumented" else comms.uninstall()
+            if mode == "instrumented":
+                comms.install()
+                clock.attach()
+            else:
+                comms.uninstall()
+                clock.detach()
             dist.barrier()
             start = time.perf_counter()
             (instrumented if mode == "instrumented" else bare)()

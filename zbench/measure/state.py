@@ -66,5 +66,12 @@ def module_state_bytes(params: Iterable[torch.nn.Parameter], optimizer: torch.op
     return out
 
 
+def moved_to_host(state: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """The same bytes counted as host memory: for trainers whose whole sharded state lives there
+    (FSDP2's CPU offload), which on a CPU-only run would otherwise count as the compute device."""
+    return {cat: {"device": 0, "host": locs["device"] + locs["host"], "disk": locs["disk"]}
+            for cat, locs in state.items()}
+
+
 def total(state: dict[str, dict[str, int]]) -> int:
     return sum(sum(by_loc.values()) for by_loc in state.values())

@@ -1,0 +1,70 @@
+"""The CUDA/NCCL/nvml path for real: skipped cleanly where there is no GPU (CI), run on a GPU machine.
+
+One suite run at world 1 (a single GPU runs NCCL too) covers the GPU-only
+instruments: nvml peak memory and energy, the CUDA allocator's peaks, CUDA-event
+step timing and the phase split, and MFU from the GPU's known peak.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import zbench
+from zbench import store
+from zbench.measure.nvml import NvmlSampler
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SUITE = """
+name: gpu-check
+description: the GPU instruments, once
+device: cuda
+models: small
+implementations: [ddp, fsdp, zero1, zero3]
+world_sizes: 1
+precisions: [bf16]
+steps: 12
+warmup_steps: 2
+timeout_s: 300
+"""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("gpu")
+    (tmp / "suite.yaml").write_text(SUITE)
+    result = zbench("run", str(tmp / "suite.yaml"), "--results", str(tmp / "results"), "--report", str(tmp / "report"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run_dir,) = [p for p in (tmp / "results").iterdir() if p.is_dir()]
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "cases").glob("*.json"))]
+
+
+def test_every_case_ok_and_equivalent(run):
+    assert len(run) == 4
+    for case in run:
+        assert case["status"] == "ok", case.get("error")
+        assert case["equivalence"]["equivalent"], case["case_id"]
+
+
+def test_nvml_memory_energy_and_mfu_recorded(run):
+    for case in run:
+        assert case["energy"]["available"], case["energy"]
+        assert case["energy"]["peak_used_bytes"] > 0
+        assert case["energy"]["energy_per_step_j"] > 0
+        assert 0 < case["throughput"]["mfu"] < 1
+        assert case["memory"]["kind"] == "cuda_allocated" and case["memory"]["peak_bytes"] > 0
+
+
+def test_nvml_sampler_reads_this_gpu():
+    sampler = NvmlSampler(0, interval_s=0.01).start()
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(50):
+        x = x @ x.T / 4096
+    torch.cuda.synchronize()
+    out = sampler.stop()
+    assert out["available"] and out["peak_used_bytes"] >= x.numel() * 4
+    assert out["samples"] > 0
