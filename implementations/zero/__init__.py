@@ -1,12 +1,24 @@
 """The reference ZeRO engine: stages 1, 2 and 3 on plain torch.distributed collectives.
 
+Offload (``TrainSpec.offload``): ``optimizer`` (ZeRO-Offload: fp32 masters, optimizer state,
+gradient partitions and the step on the host) at every stage; ``optimizer+params`` (also the
+partitioned parameters on the host) at stage 3; ``nvme`` (ZeRO-Infinity: masters and optimizer
+state in files under ``TrainSpec.nvme_dir``, streamed through a few buffers; at stage 3 the
+parameter shards too) at every stage. ``engine.close()`` removes the swap files.
+
 One concept per module:
 
 - ``flat``: the flat, padded layout of a group of parameters and how it splits over ranks;
 - ``params``: parameter groups whole on every rank (stages 1, 2) or sharded and gathered on demand (3);
 - ``grads``: gradient buckets reduce-scattered from backward hooks (stages 2, 3);
-- ``optim``: the torch optimizer over fp32 master shards, global-norm clipping, loss scaling;
-- ``engine``: what every stage answers alike (full parameters, metrics, checkpoints);
+- ``optim``: unscaling, global-norm clipping and loss scaling around the master store's step;
+- ``masters``: the master store (fp32 masters, optimizer state, the step) on the device or the host;
+- ``tiers``: where a rank's parameter and gradient shards live, and those kinds on the device;
+- ``offload``: the host tier (pinned buffers, side-stream copies) of ZeRO-Offload;
+- ``swap``, ``nvme``: the disk tier of ZeRO-Infinity: swap files with their I/O thread, and the
+  master store and parameter shards streamed through them;
+- ``placement``: which of those an engine gets for its offload mode (the only reader of it);
+- ``engine``: what every stage answers alike (full parameters, metrics, checkpoints, ``close``);
 - ``comm``, ``precision``, ``options``, ``checkpoint``, ``state``, ``loop``: the small shared pieces;
 - ``stage1``, ``stage2``, ``stage3``: one engine each, built from those pieces.
 """
@@ -18,6 +30,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from implementations.zero.options import ZeroOptions
+from implementations.zero.placement import SUPPORTED
 from implementations.zero.stage1 import ZeRO1Engine
 from implementations.zero.stage2 import ZeRO2Engine
 from implementations.zero.stage3 import ZeRO3Engine
@@ -29,7 +42,7 @@ __all__ = ["ZERO1", "ZERO2", "ZERO3", "ZeroImplementation", "ZeroOptions", "ZeRO
 
 def _capabilities(stage: int) -> Capabilities:
     return Capabilities(stages=frozenset({stage}), precisions=frozenset({"fp32", "bf16", "fp16"}),
-                        offload=frozenset({"none"}), devices=frozenset({"cpu", "cuda"}),
+                        offload=SUPPORTED[stage], devices=frozenset({"cpu", "cuda"}),
                         optimizers=frozenset({"adamw", "sgd"}), keeps_master_weights=True)
 
 

@@ -1,4 +1,4 @@
-"""What every stage's engine answers the same way: full parameters, metrics, sharded checkpoints."""
+"""What every stage's engine answers the same way: full parameters, metrics, sharded checkpoints, closing."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from implementations.zero.state import gather_full_parameters
 class ShardedEngine:
     """Shared tail of ``ZeRO1Engine``, ``ZeRO2Engine`` and ``ZeRO3Engine``.
 
-    A subclass sets ``stage``, ``comm``, ``names``, ``optimizer`` and ``scaler``
-    and says which flat parameter groups it holds (``flat_groups``).
+    A subclass sets ``stage``, ``spec``, ``comm``, ``names``, ``placement``, ``optimizer`` and
+    ``scaler`` and says which flat parameter groups it holds (``flat_groups``).
     """
 
     stage: int
@@ -23,18 +23,21 @@ class ShardedEngine:
         return self.groups
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return gather_full_parameters(self.flat_groups(), comm=self.comm, order=self.names)
+        return gather_full_parameters([g.layout for g in self.flat_groups()], self.optimizer.masters.masters(),
+                                      comm=self.comm, order=self.names, device=self.spec.device)
 
     def metrics(self) -> dict[str, float]:
         return {**self.scaler.metrics(), **self.optimizer.metrics()}
 
     def save(self, path: str | os.PathLike) -> None:
+        """A sharded checkpoint; offloaded state is read back (from the host or from disk) into it."""
         checkpoint.save(path, self.optimizer.state_dict(), comm=self.comm, stage=self.stage,
                         layouts=[g.layout for g in self.flat_groups()])
 
     def load(self, path: str | os.PathLike) -> None:
+        """Resume from ``save``'s checkpoint under any offload mode; state goes where this engine keeps it."""
         state = checkpoint.load(path, comm=self.comm, stage=self.stage,
-                                layouts=[g.layout for g in self.flat_groups()], device=self.spec.device)
+                                layouts=[g.layout for g in self.flat_groups()], device=self.optimizer.masters.home)
         self.optimizer.load_state_dict(state)
         self.refresh_parameters()
 
@@ -42,3 +45,10 @@ class ShardedEngine:
         """Stages 1 and 2 hold full parameters: all-gather them from the updated shards (after a step or a load)."""
         for handle in [group.all_gather(async_op=True) for group in self.flat_groups()]:
             handle.wait()
+
+    def close(self) -> None:
+        """Release what outlives the engine's tensors: with ``nvme``, finish I/O and remove this rank's swap files.
+
+        Idempotent; the engine must not be used afterwards. A no-op for the other offload modes.
+        """
+        self.placement.close()

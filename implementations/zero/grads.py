@@ -8,7 +8,9 @@ communication overlaps the rest of backward.
 - ``AccumulatedGradBucket`` (stage 1): the buffer is whole and persistent; micro-batches
   accumulate into it and it is reduce-scattered once per step, in place, during the last backward.
 - ``GradBucket`` (stages 2 and 3): the buffer lives for one micro-batch only; every micro-batch is
-  reduce-scattered into a persistent gradient shard, so no whole gradient outlives its bucket.
+  reduce-scattered and folded into a persistent gradient shard (``tiers.GradShard``: on the device,
+  or copied out to the host as soon as the reduction finishes when the optimizer is offloaded),
+  so no whole gradient outlives its bucket.
 
 Note: gradients are divided by the world size before the sum, as DDP does, so that the rounding
 (and at world 2 the whole training run, bit for bit) matches DDP's.
@@ -23,6 +25,7 @@ import torch
 
 from implementations.zero.comm import Comm, Handle
 from implementations.zero.flat import FlatLayout
+from implementations.zero.tiers import GradShard
 
 
 def copy_mean_part(view: torch.Tensor, grad: torch.Tensor, world: int) -> None:
@@ -142,6 +145,10 @@ class InFlight:
 class GradBucket:
     """Collects one flat group's gradients during backward and reduce-scatters them into ``grad_shard``.
 
+    ``grad_shard`` is a ``tiers.GradShard``: the reduction writes into it directly when it can
+    (first micro-batch, same dtype, on the device) and into a transient buffer folded into it
+    otherwise (later micro-batches add; an offloaded shard copies the result to the host).
+
     A hook copies each parameter's gradient (divided by the world size) into a flat buffer the moment
     autograd has accumulated it, and drops the parameter's own ``.grad``; when the group's last
     gradient arrives the buffer is reduce-scattered asynchronously, overlapping the rest of
@@ -153,12 +160,13 @@ class GradBucket:
     add to it (the loss is already divided by the number of micro-batches, as in DDP).
     """
 
-    def __init__(self, layout: FlatLayout, *, comm: Comm, reduce_dtype: torch.dtype, grad_shard: torch.Tensor,
-                 inflight: InFlight, on_launch: Callable[[], None] | None = None) -> None:
+    def __init__(self, layout: FlatLayout, *, comm: Comm, reduce_dtype: torch.dtype, grad_shard: GradShard,
+                 device: torch.device, inflight: InFlight, on_launch: Callable[[], None] | None = None) -> None:
         self.layout = layout
         self.comm = comm
         self.reduce_dtype = reduce_dtype
         self.grad_shard = grad_shard
+        self.device = device
         self._inflight = inflight
         self._on_launch = on_launch
         self._fresh = True
@@ -194,7 +202,7 @@ class GradBucket:
             self._launch()
 
     def _allocate(self) -> None:
-        self._buffer = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.grad_shard.device)
+        self._buffer = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.device)
         self._buffer[self.layout.numel:].zero_()
         self._views = self.layout.views(self._buffer)
 
@@ -206,8 +214,9 @@ class GradBucket:
         for view, arrived in zip(self._views, self._arrived):
             if not arrived:  # a parameter that got no gradient this micro-batch contributes zeros
                 view.zero_()
-        direct = self._fresh and self.grad_shard.dtype == self.reduce_dtype
-        self._out = self.grad_shard if direct else torch.empty_like(self.grad_shard, dtype=self.reduce_dtype)
+        direct = self.grad_shard.direct_out(fresh=self._fresh, dtype=self.reduce_dtype)
+        self._out = direct if direct is not None else torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
+                                                                  device=self.device)
         self._work = self.comm.reduce_scatter(self._out, self._buffer, async_op=True, scratch=True)
         if self._on_launch is not None:
             self._on_launch()
@@ -223,12 +232,7 @@ class GradBucket:
         if self._work is None:
             return
         self._work.wait()
-        out = self._out
-        if out is not self.grad_shard:
-            if self._fresh:
-                self.grad_shard.copy_(out)
-            else:
-                self.grad_shard.add_(out)
+        self.grad_shard.fold(self._out, fresh=self._fresh)
         self._fresh = False
         self._finished = True
         self._reset()

@@ -1,4 +1,8 @@
-"""The knobs a suite may set for the zero engines: ``{name: zero2, options: {bucket_mb: 8}}``."""
+"""The knobs a suite may set for the zero engines: ``{name: zero2, options: {bucket_mb: 8}}``.
+
+Where model state lives (``TrainSpec.offload``) is not an option here but part of the case; see
+``placement`` for what each offload mode keeps where.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +34,13 @@ class ZeroOptions:
     """fp16: the first loss scale (torch.amp.GradScaler's default)."""
     loss_scale_growth_interval: int = 2000
     """fp16: steps without overflow before the scale doubles (GradScaler's default)."""
+    nvme_chunk_mb: float = 1.0
+    """``offload: nvme``: the optimizer step streams each master shard from disk in sub-groups of this
+    many MiB of fp32 master. Three sub-groups are resident at a time (one being read ahead, one
+    stepped, one written behind), each with its optimizer state, so with AdamW the step holds
+    ``3 * 3 * nvme_chunk_mb`` MiB of buffers (plus the optimizer's own temporaries, about two
+    sub-groups) however large the model; bigger sub-groups mean fewer, larger I/Os (1 MiB is
+    DeepSpeed's default AIO block size)."""
 
     def __post_init__(self) -> None:
         if not self.bucket_mb > 0:
@@ -43,6 +54,8 @@ class ZeroOptions:
         if not isinstance(self.loss_scale_growth_interval, int) or self.loss_scale_growth_interval < 1:
             raise ValueError("zero option loss_scale_growth_interval must be an integer >= 1, "
                              f"got {self.loss_scale_growth_interval!r}")
+        if not self.nvme_chunk_mb > 0:
+            raise ValueError(f"zero option nvme_chunk_mb must be > 0, got {self.nvme_chunk_mb!r}")
 
     @classmethod
     def from_spec(cls, spec: TrainSpec) -> ZeroOptions:
@@ -58,3 +71,8 @@ class ZeroOptions:
     def bucket_numel(self, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return max(1, int(self.bucket_mb * 2**20) // itemsize)
+
+    @property
+    def nvme_chunk_numel(self) -> int:
+        """Elements per sub-group of the streamed (nvme) optimizer step."""
+        return max(1, int(self.nvme_chunk_mb * 2**20) // 4)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
@@ -11,12 +10,13 @@ from implementations.zero.comm import Comm
 from implementations.zero.flat import partition_by_numel
 from implementations.zero.grads import AccumulatedGradBucket
 from implementations.zero.loop import forward_backward
+from implementations.zero.engine import ShardedEngine
 from implementations.zero.optim import ShardedOptimizer
 from implementations.zero.options import ZeroOptions
 from implementations.zero.params import ReplicatedParams
+from implementations.zero.placement import Placement
 from implementations.zero.precision import LossScaler
-from implementations.zero.engine import ShardedEngine
-from implementations.zero.state import zero_state_bytes
+from implementations.zero.state import Held, total, zero_state_bytes
 from zbench.protocol import MicroBatch, TrainSpec
 
 
@@ -27,7 +27,8 @@ class ZeRO1Engine(ShardedEngine):
     the last micro-batch's backward each bucket is reduce-scattered in place as soon as its last
     gradient has arrived (once per step, overlapping the rest of backward). Each rank then steps its
     fp32 slices and in-place all-gathers bring every rank's updated slices back into every rank's
-    parameters.
+    parameters. Offloaded, each reduced slice is copied into a host gradient partition and the
+    host (or disk) master store steps there.
     """
 
     stage = 1
@@ -39,8 +40,13 @@ class ZeRO1Engine(ShardedEngine):
         named = list(model.named_parameters())
         self.names = [name for name, _ in named]
         reduce_dtype = self.options.reduce_dtype_for(spec)
-        self.groups = [ReplicatedParams(chunk, comm=self.comm, dtype=spec.compute_dtype)
-                       for chunk in partition_by_numel(named, self.options.bucket_numel(reduce_dtype))]
+        self.placement = Placement(spec, self.options, self.comm, stage=self.stage)
+        self.groups = []
+        for chunk in partition_by_numel(named, self.options.bucket_numel(reduce_dtype)):
+            group_ = ReplicatedParams(chunk, comm=self.comm, dtype=spec.compute_dtype)
+            self.placement.masters.add(group_.take_master(), group_.tier)
+            self.groups.append(group_)
+        self.reduced = [self.placement.reduced_grad(g.layout.shard_numel) for g in self.groups]
         self.buckets = []
         for group_ in self.groups:
             bucket = AccumulatedGradBucket(group_.layout, comm=self.comm, dtype=spec.compute_dtype,
@@ -49,14 +55,16 @@ class ZeRO1Engine(ShardedEngine):
                 p.register_post_accumulate_grad_hook(bucket.hook(i))
             self.buckets.append(bucket)
         self.scaler = LossScaler.for_spec(spec, self.options)
-        self.optimizer = ShardedOptimizer(self.groups, spec=spec, comm=self.comm, scaler=self.scaler)
+        self.optimizer = ShardedOptimizer(self.placement.masters, spec=spec, comm=self.comm, scaler=self.scaler)
 
     def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         n = len(micro_batches)
         for bucket in self.buckets:
             bucket.begin_step(micro_batches=n)
         loss = accumulate(micro_batches, lambda batch, last: self._forward_backward(batch, last, n))
-        if self.optimizer.step([bucket.finish() for bucket in self.buckets]):
+        for bucket, reduced in zip(self.buckets, self.reduced):
+            reduced.fold(bucket.finish(), fresh=True)
+        if self.optimizer.step([reduced.ready() for reduced in self.reduced]):
             self.refresh_parameters()
         return loss
 
@@ -68,6 +76,6 @@ class ZeRO1Engine(ShardedEngine):
 
     def state_bytes(self) -> dict[str, dict[str, int]]:
         params = list(self.model.parameters())
-        return zero_state_bytes(parameters=params,
-                                gradients=[p.grad for p in params] + [b.buffer for b in self.buckets],
-                                optimizer=self.optimizer, device=self.spec.device)
+        gradients = Held(device=[p.grad for p in params] + [b.buffer for b in self.buckets])
+        return zero_state_bytes(parameters=Held(device=params),
+                                gradients=gradients + total(r.held() for r in self.reduced), placement=self.placement)

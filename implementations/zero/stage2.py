@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
@@ -11,12 +10,13 @@ from implementations.zero.comm import Comm
 from implementations.zero.flat import partition_by_numel
 from implementations.zero.grads import GradBucket, InFlight
 from implementations.zero.loop import forward_backward
+from implementations.zero.engine import ShardedEngine
 from implementations.zero.optim import ShardedOptimizer
 from implementations.zero.options import ZeroOptions
 from implementations.zero.params import ReplicatedParams
+from implementations.zero.placement import Placement
 from implementations.zero.precision import LossScaler
-from implementations.zero.engine import ShardedEngine
-from implementations.zero.state import zero_state_bytes
+from implementations.zero.state import Held, total, zero_state_bytes
 from zbench.protocol import MicroBatch, TrainSpec
 
 
@@ -27,7 +27,8 @@ class ZeRO2Engine(ShardedEngine):
     as autograd has produced all of a bucket's gradients they are reduce-scattered asynchronously
     into this rank's gradient shard while backward goes on, and the full gradients are dropped.
     Every micro-batch is reduced this way (its full gradients are never kept to accumulate). After
-    the step, each bucket's updated slices are all-gathered in place.
+    the step, each bucket's updated slices are all-gathered in place. Offloaded, the gradient shard
+    is a host partition that each reduction is copied into as soon as it finishes.
     """
 
     stage = 2
@@ -39,25 +40,29 @@ class ZeRO2Engine(ShardedEngine):
         named = list(model.named_parameters())
         self.names = [name for name, _ in named]
         reduce_dtype = self.options.reduce_dtype_for(spec)
-        self.groups = [ReplicatedParams(chunk, comm=self.comm, dtype=spec.compute_dtype)
-                       for chunk in partition_by_numel(named, self.options.bucket_numel(reduce_dtype))]
+        self.placement = Placement(spec, self.options, self.comm, stage=self.stage)
+        self.groups = []
+        for chunk in partition_by_numel(named, self.options.bucket_numel(reduce_dtype)):
+            group_ = ReplicatedParams(chunk, comm=self.comm, dtype=spec.compute_dtype)
+            self.placement.masters.add(group_.take_master(), group_.tier)
+            self.groups.append(group_)
         self.inflight = InFlight()
         self.buckets = []
         for group_ in self.groups:
-            shard = torch.zeros(group_.layout.shard_numel, dtype=spec.compute_dtype, device=spec.device)
+            shard = self.placement.grad_shard(group_.layout.shard_numel, dtype=spec.compute_dtype)
             bucket = GradBucket(group_.layout, comm=self.comm, reduce_dtype=reduce_dtype, grad_shard=shard,
-                                inflight=self.inflight)
+                                device=spec.device, inflight=self.inflight)
             for i, p in enumerate(group_.params):
                 p.register_post_accumulate_grad_hook(bucket.hook(i))
             self.buckets.append(bucket)
         self.scaler = LossScaler.for_spec(spec, self.options)
-        self.optimizer = ShardedOptimizer(self.groups, spec=spec, comm=self.comm, scaler=self.scaler)
+        self.optimizer = ShardedOptimizer(self.placement.masters, spec=spec, comm=self.comm, scaler=self.scaler)
 
     def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         for bucket in self.buckets:
             bucket.begin_step()
         loss = accumulate(micro_batches, lambda batch, _last: self._forward_backward(batch, len(micro_batches)))
-        if self.optimizer.step([bucket.grad_shard for bucket in self.buckets]):
+        if self.optimizer.step([bucket.grad_shard.ready() for bucket in self.buckets]):
             self.refresh_parameters()
         return loss
 
@@ -70,6 +75,5 @@ class ZeRO2Engine(ShardedEngine):
 
     def state_bytes(self) -> dict[str, dict[str, int]]:
         params = list(self.model.parameters())
-        return zero_state_bytes(parameters=params,
-                                gradients=[p.grad for p in params] + [b.grad_shard for b in self.buckets],
-                                optimizer=self.optimizer, device=self.spec.device)
+        gradients = Held(device=[p.grad for p in params]) + total(b.grad_shard.held() for b in self.buckets)
+        return zero_state_bytes(parameters=Held(device=params), gradients=gradients, placement=self.placement)

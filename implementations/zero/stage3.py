@@ -13,12 +13,13 @@ from implementations._common import accumulate
 from implementations.zero.comm import Comm
 from implementations.zero.grads import GradBucket, InFlight
 from implementations.zero.loop import forward_backward
+from implementations.zero.engine import ShardedEngine
 from implementations.zero.optim import ShardedOptimizer
 from implementations.zero.options import ZeroOptions
 from implementations.zero.params import ShardedParams
+from implementations.zero.placement import Placement
 from implementations.zero.precision import LossScaler
-from implementations.zero.engine import ShardedEngine
-from implementations.zero.state import zero_state_bytes
+from implementations.zero.state import Held, total, zero_state_bytes
 from zbench.protocol import MicroBatch, TrainSpec
 
 
@@ -59,7 +60,11 @@ class Schedule:
       forward, except the last, whose backward comes next;
     - backward: a hook on each block's output fires before the block's backward: the block is
       gathered (usually already prefetched) and the gathers of the ``prefetch`` blocks before it
-      start. Freeing after backward is the gradient bucket's ``on_launch``.
+      start. Freeing after backward is the gradient bucket's ``on_launch``;
+    - offloaded shards (host or disk) are *fetched* one block further ahead than they are gathered:
+      the copy to the device (or the read from disk) of the block after the prefetched ones starts
+      with those gathers, so it overlaps a block's compute. Fetching is no collective, so it may
+      finish at different times on different ranks; the gathers stay in the same order everywhere.
 
     Note: the hooks hold this object, not the engine, so the model does not keep its engine alive.
     """
@@ -73,21 +78,24 @@ class Schedule:
             block.register_forward_pre_hook(partial(self.before_block_forward, i))
             block.register_forward_hook(partial(self.after_block_forward, i))
 
-    def _prefetch(self, indices: range) -> None:
+    def _prefetch(self, indices: range, *, fetch: int) -> None:
+        """Start the gathers of blocks ``indices`` and the fetch of block ``fetch`` (when they exist)."""
         for j in indices:
             if 0 <= j < len(self.blocks):
                 self.blocks[j].unshard(async_op=True)
+        if 0 <= fetch < len(self.blocks):
+            self.blocks[fetch].fetch()
 
     def before_model_forward(self, module: nn.Module, args) -> None:
         if self.root is not None:
             self.root.unshard(async_op=True)
-        self._prefetch(range(self.prefetch))
+        self._prefetch(range(self.prefetch), fetch=self.prefetch)
         if self.root is not None:
             self.root.wait()
 
     def before_block_forward(self, i: int, module: nn.Module, args) -> None:
         self.blocks[i].unshard()
-        self._prefetch(range(i + 1, i + 1 + self.prefetch))
+        self._prefetch(range(i + 1, i + 1 + self.prefetch), fetch=i + 1 + self.prefetch)
 
     def after_block_forward(self, i: int, module: nn.Module, args, output) -> None:
         backward_follows = torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad
@@ -99,7 +107,7 @@ class Schedule:
 
     def before_block_backward(self, i: int, grad: torch.Tensor) -> None:
         self.blocks[i].unshard()
-        self._prefetch(range(i - 1, i - 1 - self.prefetch, -1))
+        self._prefetch(range(i - 1, i - 1 - self.prefetch, -1), fetch=i - 1 - self.prefetch)
 
 
 class ZeRO3Engine(ShardedEngine):
@@ -110,7 +118,8 @@ class ZeRO3Engine(ShardedEngine):
     forward and backward. Once autograd has produced all of a unit's gradients they are
     reduce-scattered asynchronously and its gathered parameters are freed. Between steps a rank
     holds shards only; the optimizer writes straight into them, so the next forward's gathers see
-    the updated parameters.
+    the updated parameters. Where the shards live (device, host, disk) is the ``Placement``'s:
+    offloaded, each shard is fetched to the device ahead of its gather.
     """
 
     stage = 3
@@ -122,28 +131,33 @@ class ZeRO3Engine(ShardedEngine):
         self.names = [name for name, _ in model.named_parameters()]
         root, blocks = split_units(model)
         dtype = spec.compute_dtype
-        self.root = ShardedParams(root, comm=self.comm, dtype=dtype) if root else None
-        self.blocks = [ShardedParams(block, comm=self.comm, dtype=dtype) for block in blocks]
-        self.units = ([self.root] if self.root else []) + self.blocks
+        self.placement = Placement(spec, self.options, self.comm, stage=self.stage)
+        self.units = []
+        for named in ([root] if root else []) + blocks:
+            unit = ShardedParams(named, comm=self.comm, dtype=dtype, tier=self.placement.param_tier)
+            self.placement.masters.add(unit.take_master(), unit.tier)
+            self.units.append(unit)
+        self.root = self.units[0] if root else None
+        self.blocks = self.units[1:] if root else self.units
         reduce_dtype = self.options.reduce_dtype_for(spec)
         self.inflight = InFlight()
         self.buckets = []
         for unit in self.units:
-            shard = torch.zeros(unit.layout.shard_numel, dtype=dtype, device=spec.device)
+            shard = self.placement.grad_shard(unit.layout.shard_numel, dtype=dtype)
             bucket = GradBucket(unit.layout, comm=self.comm, reduce_dtype=reduce_dtype, grad_shard=shard,
-                                inflight=self.inflight, on_launch=weakly(unit.reshard))
+                                device=spec.device, inflight=self.inflight, on_launch=weakly(unit.reshard))
             for i, p in enumerate(unit.params):
                 p.register_post_accumulate_grad_hook(bucket.hook(i))
             self.buckets.append(bucket)
         Schedule(self.root, self.blocks, prefetch=self.options.prefetch).install(model)
         self.scaler = LossScaler.for_spec(spec, self.options)
-        self.optimizer = ShardedOptimizer(self.units, spec=spec, comm=self.comm, scaler=self.scaler)
+        self.optimizer = ShardedOptimizer(self.placement.masters, spec=spec, comm=self.comm, scaler=self.scaler)
 
     def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         for bucket in self.buckets:
             bucket.begin_step()
         loss = accumulate(micro_batches, lambda batch, _last: self._forward_backward(batch, len(micro_batches)))
-        self.optimizer.step([bucket.grad_shard for bucket in self.buckets])
+        self.optimizer.step([bucket.grad_shard.ready() for bucket in self.buckets])
         return loss
 
     def _forward_backward(self, batch: MicroBatch, n: int) -> torch.Tensor:
@@ -157,9 +171,9 @@ class ZeRO3Engine(ShardedEngine):
 
     def state_bytes(self) -> dict[str, dict[str, int]]:
         params = list(self.model.parameters())
-        return zero_state_bytes(parameters=params + [u.shard for u in self.units],
-                                gradients=[p.grad for p in params] + [b.grad_shard for b in self.buckets],
-                                optimizer=self.optimizer, device=self.spec.device)
+        parameters = Held(device=params) + total(u.tier.held() for u in self.units)
+        gradients = Held(device=[p.grad for p in params]) + total(b.grad_shard.held() for b in self.buckets)
+        return zero_state_bytes(parameters=parameters, gradients=gradients, placement=self.placement)
 
     def flat_groups(self) -> list:
         return self.units

@@ -3,38 +3,81 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from implementations.zero.comm import Comm
-from implementations.zero.optim import ShardedOptimizer
-from zbench.measure.state import empty_state_bytes, optimizer_tensors, tensor_bytes
+from implementations.zero.flat import FlatLayout
+from zbench.measure.state import empty_state_bytes
 
 
-def zero_state_bytes(*, parameters: Iterable[torch.Tensor], gradients: Iterable[torch.Tensor],
-                     optimizer: ShardedOptimizer, device: torch.device) -> dict[str, dict[str, int]]:
-    """Bytes by category, measured from the tensors held (a freed stage-3 buffer holds zero bytes).
+@dataclass
+class Held:
+    """Tensors a rank holds, by where they live, and the bytes it keeps in files.
 
-    fp32 master shards are slices of the parameters and count there; mixed precision masters count
-    as ``master_weights``.
+    Note: the location is said by whoever holds the tensor, not read off ``tensor.device``: on a
+    CPU-only run the compute device is the CPU too, and an offloaded host copy must still count as
+    ``host``, apart from the compute copy.
     """
+
+    device: list[torch.Tensor | None] = field(default_factory=list)
+    host: list[torch.Tensor | None] = field(default_factory=list)
+    disk: int = 0
+    """Bytes in files (their sizes on disk as ``os.stat`` reports them)."""
+
+    def __add__(self, other: Held) -> Held:
+        return Held(self.device + other.device, self.host + other.host, self.disk + other.disk)
+
+    def bytes(self) -> dict[str, int]:
+        """Bytes by location, each storage counted once (views of one flat buffer are one buffer)."""
+        seen: set[tuple[str, int]] = set()
+        out = {"device": 0, "host": 0, "disk": self.disk}
+        for location, tensors in (("device", self.device), ("host", self.host)):
+            for t in tensors:
+                if t is None:
+                    continue
+                storage = t.untyped_storage()
+                key = (str(t.device), storage.data_ptr())
+                if key in seen or storage.nbytes() == 0:
+                    continue
+                seen.add(key)
+                out[location] += storage.nbytes()
+        return out
+
+
+def total(held: Iterable[Held]) -> Held:
+    return sum(held, Held())
+
+
+def zero_state_bytes(*, parameters: Held, gradients: Held, placement) -> dict[str, dict[str, int]]:
+    """Bytes by category and location, measured from what is held (a freed stage-3 buffer holds zero bytes).
+
+    ``parameters`` and ``gradients`` are what the stage holds itself (the model's parameters, its
+    gradient buffers and shards); ``placement`` adds the master weights and optimizer state wherever
+    they live, and the parameters it keeps in files. fp32 master shards on the device are the
+    parameter shards themselves and count there only.
+    """
+    held = placement.held()
     out = empty_state_bytes()
-    out["parameters"] = tensor_bytes(parameters, compute_device=device)
-    out["gradients"] = tensor_bytes(gradients, compute_device=device)
-    out["optimizer_state"] = tensor_bytes(optimizer_tensors(optimizer.optimizer), compute_device=device)
-    out["master_weights"] = tensor_bytes(optimizer.separate_masters, compute_device=device)
+    out["parameters"] = (parameters + held["parameters"]).bytes()
+    out["gradients"] = gradients.bytes()
+    out["optimizer_state"] = held["optimizer_state"].bytes()
+    out["master_weights"] = held["master_weights"].bytes()
     return out
 
 
-def gather_full_parameters(groups: Sequence, *, comm: Comm, order: Sequence[str]) -> dict[str, torch.Tensor]:
+def gather_full_parameters(layouts: Sequence[FlatLayout], masters: Iterable[torch.Tensor], *, comm: Comm,
+                           order: Sequence[str], device: torch.device) -> dict[str, torch.Tensor]:
     """Every parameter in fp32 on the CPU, all-gathered from the master shards, keyed and ordered by ``order``.
 
-    Collective: every rank must call it.
+    ``masters`` yields each group's fp32 master shard in turn (wherever it lives: it is moved to the
+    compute device for the collective). Collective: every rank must call it.
     """
     out: dict[str, torch.Tensor] = {}
-    for group in groups:
-        full = torch.empty(group.layout.padded_numel, dtype=torch.float32, device=group.master.device)
-        comm.all_gather(full, group.master)
-        for name, view in zip(group.layout.names, group.layout.views(full)):
+    for layout, master in zip(layouts, masters, strict=True):
+        full = torch.empty(layout.padded_numel, dtype=torch.float32, device=device)
+        comm.all_gather(full, master.to(device))
+        for name, view in zip(layout.names, layout.views(full)):
             out[name] = view.detach().cpu().clone()
     return {name: out[name] for name in order}
