@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections import deque
 
 import torch
 
 from implementations.zero import checkpoint
 from implementations.zero.state import gather_full_parameters
+
+
+GATHERS_IN_FLIGHT = 2
 
 
 class ShardedEngine:
@@ -42,9 +46,21 @@ class ShardedEngine:
         self.refresh_parameters()
 
     def refresh_parameters(self) -> None:
-        """Stages 1 and 2 hold full parameters: all-gather them from the updated shards (after a step or a load)."""
-        for handle in [group.all_gather(async_op=True) for group in self.flat_groups()]:
-            handle.wait()
+        """Stages 1 and 2 hold full parameters: all-gather them from the updated shards (after a step or a load).
+
+        Note: at most ``GATHERS_IN_FLIGHT`` gathers are outstanding. gloo allocates an all-gather's
+        receive buffer when the collective is enqueued, so starting every group's gather at once
+        held a second, transient copy of the whole model (and left it resident as heap
+        fragmentation); gloo runs two collectives at a time anyway, and on NCCL ``wait`` does not
+        block the host, so nothing is lost.
+        """
+        inflight: deque = deque()
+        for group in self.flat_groups():
+            inflight.append(group.all_gather(async_op=True))
+            if len(inflight) > GATHERS_IN_FLIGHT:
+                inflight.popleft().wait()
+        while inflight:
+            inflight.popleft().wait()
 
     def close(self) -> None:
         """Release what outlives the engine's tensors: with ``nvme``, finish I/O and remove this rank's swap files.
