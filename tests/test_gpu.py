@@ -54,9 +54,19 @@ def test_nvml_memory_energy_and_mfu_recorded(run):
     for case in run:
         assert case["energy"]["available"], case["energy"]
         assert case["energy"]["peak_used_bytes"] > 0
+        assert 0 < case["energy"]["energy_timed_j"] < case["energy"]["energy_j"]  # warm-up steps left out
         assert case["energy"]["energy_per_step_j"] > 0
         assert 0 < case["throughput"]["mfu"] < 1
         assert case["memory"]["kind"] == "cuda_allocated" and case["memory"]["peak_bytes"] > 0
+
+
+def test_cuda_event_timing_and_phase_split(run):
+    for case in run:
+        ph = case["phases"]
+        assert ph["clock"] == "CUDA events" and ph["device_step_s"] > 0, ph
+        assert ph["forward_s"] > 0 and ph["backward_s"] > 0 and ph["optimizer_s"] > 0, (case["case_id"], ph)
+        # the device's own clock agrees with the host's barrier-bracketed wall time, which also holds launch latency
+        assert ph["device_step_s"] <= case["summary"]["step_time_median_s"] * 1.05
 
 
 def test_nvml_sampler_reads_this_gpu():

@@ -172,6 +172,17 @@ def test_nvml_sampler_reports_unavailable_instead_of_failing():
         assert out["samples"] >= 1
 
 
+def test_energy_per_step_counts_the_timed_steps_only():
+    from zbench.record import energy_summary
+
+    rank = {"available": True, "peak_used_bytes": 10, "energy_j": 1000.0, "energy_timed_j": 300.0}
+    out = energy_summary([{"nvml": rank}, {"nvml": dict(rank, energy_timed_j=100.0)}], steps=12, warmup_steps=2,
+                         tokens_per_step=1000)
+    assert out["energy_j"] == 2000.0 and out["energy_timed_j"] == 400.0
+    assert out["energy_per_step_j"] == 40.0 and out["energy_per_token_j"] == 0.04
+    assert energy_summary([{"nvml": None}], steps=3, warmup_steps=1, tokens_per_step=1)["available"] is False
+
+
 def test_mfu_uses_the_gpu_peak_and_can_be_overridden(monkeypatch):
     from zbench.measure.flops import derived, peak_tflops
 

@@ -47,7 +47,7 @@ def _measurements(case: Case, ranks: list[dict]) -> dict:
         "throughput": {**derived(cfg, tokens_per_step=tokens_per_step, step_time_s=stats["median"], world=case.world_size,
                                  precision=case.precision, gpu_name=ranks[0].get("gpu_name")),
                        "gpu_name": ranks[0].get("gpu_name")} if stats["median"] else {},
-        "energy": energy_summary(ranks, case.steps, tokens_per_step),
+        "energy": energy_summary(ranks, case.steps, case.warmup_steps, tokens_per_step),
         "time_to_target": time_to_target(steps, case.target_loss),
         "model_parameters": params,
         "steps": steps,
@@ -104,16 +104,20 @@ def comm_to_compute(comms: dict, phases: dict) -> float | None:
     return comms["est_time_s"] / compute if comms.get("est_time_s") is not None and compute > 0 else None
 
 
-def energy_summary(ranks: list[dict], steps: int, tokens_per_step: int) -> dict:
-    """nvml figures per rank and energy per step and per token summed over ranks (all GPUs of the case)."""
+def energy_summary(ranks: list[dict], steps: int, warmup_steps: int, tokens_per_step: int) -> dict:
+    """nvml figures per rank; energy per step and per token over the timed steps, summed over ranks (all GPUs)."""
     nvml = [r.get("nvml") or {"available": False} for r in ranks]
     if not all(n.get("available") for n in nvml):
         return {"available": False, "reason": next((n.get("reason") for n in nvml if not n.get("available")), "")}
     energy = [n["energy_j"] for n in nvml]
+    timed = [n.get("energy_timed_j") for n in nvml]
     total = sum(energy) if all(e is not None for e in energy) else None
+    timed_total = sum(timed) if all(e is not None for e in timed) else None
+    timed_steps = steps - warmup_steps
     return {"available": True, "per_rank": nvml, "peak_used_bytes": max(n["peak_used_bytes"] or 0 for n in nvml),
-            "energy_j": total, "energy_per_step_j": total / steps if total is not None else None,
-            "energy_per_token_j": total / (steps * tokens_per_step) if total is not None else None}
+            "energy_j": total, "energy_timed_j": timed_total,
+            "energy_per_step_j": timed_total / timed_steps if timed_total is not None else None,
+            "energy_per_token_j": timed_total / (timed_steps * tokens_per_step) if timed_total is not None else None}
 
 
 def time_to_target(steps: list[dict], target: float | None) -> dict | None:

@@ -82,6 +82,8 @@ def train(case: dict, workdir: Path, rank: int, world: int, device: torch.device
             micro_batches = rank_micro_batches(batch, rank=rank, world=world, grad_accum=case["grad_accum"],
                                                device=device)
             comms.take()  # drop set-up traffic (DDP's initial broadcast, the bandwidth probe, ...)
+            if sampler is not None and step == case["warmup_steps"]:
+                sampler.mark()
             loss, seconds = timed(lambda: clock.run(lambda: engine.step(micro_batches)), device=device,
                                   barrier=dist.barrier)
             comm_steps.append(comms.take())
