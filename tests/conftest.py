@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,35 @@ def zbench_many(arg_lists: list[list[str]], cwd: Path = ROOT, timeout: float = 3
         stdout, stderr = p.communicate(timeout=timeout)
         out.append(CLIResult(p.returncode, stdout, stderr))
     return out
+
+
+def launch_rank_scripts(script: str, worlds: tuple[int, ...], base: Path, *, label: str) -> dict[int, dict[int, dict]]:
+    """Launch ``python SCRIPT WORLD RANK OUTDIR`` for every rank of every world size at once (one process group
+    each), wait, and load each rank's ``rank<R>.pt``; a failed group fails the calling test with its ranks' logs."""
+    import torch
+
+    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    procs = {}
+    start = time.perf_counter()
+    for world in worlds:
+        out = base / f"world{world}"
+        out.mkdir()
+        procs[world] = [subprocess.Popen([sys.executable, script, str(world), str(rank), str(out)], env=env,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         stdin=subprocess.DEVNULL) for rank in range(world)]
+    results, failures = {}, []
+    for world, ranks in procs.items():
+        logs = [p.communicate(timeout=600)[0] for p in ranks]
+        files = [base / f"world{world}" / f"rank{r}.pt" for r in range(world)]
+        if any(p.returncode for p in ranks) or not all(f.exists() for f in files):
+            failures.append(f"world {world}: exit codes {[p.returncode for p in ranks]}\n" +
+                            "\n".join(log[-3000:] for log in logs))
+            continue
+        results[world] = {r: torch.load(f, weights_only=True) for r, f in enumerate(files)}
+    print(f"{label}: {time.perf_counter() - start:.1f}s")
+    if failures:
+        pytest.fail("\n\n".join(failures), pytrace=False)
+    return results
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,11 @@ step timing and the phase split, and MFU from the GPU's known peak.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import zbench
-from zbench import store
 from zbench.measure.nvml import NvmlSampler
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.conftest import child_env  # noqa: E402
+from tests.conftest import launch_rank_scripts  # noqa: E402
 from tests.test_zero_engine import (  # noqa: E402
     BF16_LOSS_TOL, FP16_LOSS_TOL, FP32_TOL, MIXED_UPDATE_TOL, MODEL, ROWS_PER_RANK, assert_matches_ddp,
     max_rel_loss_diff, update_error,
@@ -177,27 +176,7 @@ WORLDS = (2, 4)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, dict[int, dict]]:
     base = Path(tempfile.mkdtemp(prefix="zero_offload_", dir=tmp_path_factory.getbasetemp()))
-    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = {}
-    start = time.perf_counter()
-    for world in WORLDS:
-        out = base / f"world{world}"
-        out.mkdir()
-        procs[world] = [subprocess.Popen([sys.executable, __file__, str(world), str(rank), str(out)], env=env,
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         stdin=subprocess.DEVNULL) for rank in range(world)]
-    results, failures = {}, []
-    for world, ranks in procs.items():
-        logs = [p.communicate(timeout=600)[0] for p in ranks]
-        files = [base / f"world{world}" / f"rank{r}.pt" for r in range(world)]
-        if any(p.returncode for p in ranks) or not all(f.exists() for f in files):
-            failures.append(f"world {world}: exit codes {[p.returncode for p in ranks]}\n" +
-                            "\n".join(log[-3000:] for log in logs))
-            continue
-        results[world] = {r: torch.load(f, weights_only=True) for r, f in enumerate(files)}
-    print(f"zero offload scenarios: {time.perf_counter() - start:.1f}s")
-    if failures:
-        pytest.fail("\n\n".join(failures), pytrace=False)
+    results = launch_rank_scripts(__file__, WORLDS, base, label="zero offload scenarios")
     yield results
     shutil.rmtree(base, ignore_errors=True)
 

@@ -125,7 +125,6 @@ def summary_table(records: list[dict]) -> Table:
     for col in ("status", "step (median)", "ratio to DDP", "tokens/s", "peak memory", "model state", "vs DDP"):
         table.add_column(col)
     for r in records:
-        ok = r["status"] == "ok"
         summary = r.get("summary") or {}
         status = status_text(r)
         cells = (r["case_id"], status if len(status) <= 90 else status[:87] + "...",

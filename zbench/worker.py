@@ -25,7 +25,7 @@ import torch.distributed as dist
 from zbench import registry
 from zbench.measure import comms
 from zbench.measure.bandwidth import probe_bus_bandwidth
-from zbench.measure.memory import peak_memory
+from zbench.measure.memory import peak_memory, reset_peak
 from zbench.measure.nvml import NvmlSampler
 from zbench.measure.phases import PhaseClock, clock_name
 from zbench.measure.timing import timed
@@ -76,6 +76,7 @@ def train(case: dict, workdir: Path, rank: int, world: int, device: torch.device
     bandwidth = probe_bus_bandwidth(device)
     clock = PhaseClock(model, device).attach()
     sampler = NvmlSampler(nvml_index(device)).start() if device.type == "cuda" else None
+    reset_peak(device)
     try:
         for step in range(case["steps"]):
             batch = synthetic_batch(data_cfg, seed=case["seed"], step=step, rows=rows)
@@ -94,6 +95,7 @@ def train(case: dict, workdir: Path, rank: int, world: int, device: torch.device
             if rank == 0:
                 (workdir / "progress").write_text(f"{step + 1}/{case['steps']}")
         clock.detach()
+        memory = peak_memory(device)  # before the final gather below, which is not training
         nvml = sampler.stop() if sampler else {"available": False, "reason": "CPU run"}
         state = engine.state_bytes()
         params = engine.full_parameters()
@@ -106,7 +108,7 @@ def train(case: dict, workdir: Path, rank: int, world: int, device: torch.device
     return {"rank": rank, "losses": losses, "step_times_s": times, "metrics": metrics, "comms": comm_steps,
             "phases": phases, "clock": clock_name(device), "bus_bandwidth_bytes_per_s": bandwidth,
             "expected_comm_elements": expected_comm_elements(implementation, cfg, world, case["stage"]),
-            "memory": peak_memory(device), "state_bytes": state, "nvml": nvml,
+            "memory": memory, "state_bytes": state, "nvml": nvml,
             "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "parameters": cfg.num_parameters}
 
