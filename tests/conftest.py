@@ -77,6 +77,22 @@ def launch_rank_scripts(script: str, worlds: tuple[int, ...], base: Path, *, lab
     return results
 
 
+def hand_back_and_exit(results: dict, out: Path, rank: int) -> None:
+    """The end of a rank script: write ``rank<R>.pt`` atomically for ``launch_rank_scripts``, wait for the group, exit.
+
+    Note: interpreter teardown is skipped; gloo's threads can abort a process at exit after all is written.
+    """
+    import torch
+    import torch.distributed as dist
+
+    torch.save(results, out / f"rank{rank}.pt.tmp")
+    os.replace(out / f"rank{rank}.pt.tmp", out / f"rank{rank}.pt")
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 @pytest.fixture(scope="session")
 def cli():
     return zbench

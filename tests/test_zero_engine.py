@@ -29,7 +29,6 @@ Tolerances:
 from __future__ import annotations
 
 import datetime
-import os
 import shutil
 import sys
 import tempfile
@@ -42,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.conftest import launch_rank_scripts  # noqa: E402
+from tests.conftest import hand_back_and_exit, launch_rank_scripts  # noqa: E402
 from zbench.formulas import expected_state_bytes  # noqa: E402
 from zbench.models import PRESETS  # noqa: E402
 
@@ -182,13 +181,7 @@ def rank_main(world: int, rank: int, out: Path) -> None:
                 for key in ("params", "resumed_params", "initial"):
                     rec.pop(key, None)
             results[name][impl] = rec
-    torch.save(results, out / f"rank{rank}.pt.tmp")
-    os.replace(out / f"rank{rank}.pt.tmp", out / f"rank{rank}.pt")
-    dist.barrier()
-    # Note: skip interpreter teardown; gloo's threads can abort a process at exit after all is written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    hand_back_and_exit(results, out, rank)
 
 
 # --- the parent: one launch per world size, all at once --------------------------------------------------

@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.conftest import launch_rank_scripts  # noqa: E402
+from tests.conftest import hand_back_and_exit, launch_rank_scripts  # noqa: E402
 from tests.test_zero_engine import (  # noqa: E402
-    BF16_LOSS_TOL, FP16_LOSS_TOL, FP32_TOL, MIXED_UPDATE_TOL, MODEL, ROWS_PER_RANK, assert_matches_ddp,
-    max_rel_loss_diff, update_error,
+    BF16_LOSS_TOL, FP16_LOSS_TOL, FP32_TOL, MIXED_UPDATE_TOL, MODEL, _run, assert_matches_ddp, max_rel_loss_diff,
+    update_error,
 )
 from zbench.formulas import placement  # noqa: E402
 from zbench.models import PRESETS  # noqa: E402
@@ -83,22 +83,6 @@ def _build(impl: str, spec_kwargs: dict, *, offload: str = "none", options: dict
     spec = TrainSpec(device=torch.device("cpu"), offload=offload, nvme_dir=str(nvme_dir) if nvme_dir else None,
                      options=options or {}, **spec_kwargs)
     return registry.resolve(impl).build(build_model(MODEL, seed=0), spec, group)
-
-
-def _run(engine, *, spec_kwargs: dict, steps: range, rank: int, world: int) -> tuple[list[float], list[dict]]:
-    import torch.distributed as dist
-
-    from zbench.models import get_config, rank_micro_batches, synthetic_batch
-
-    cfg, accum = get_config(MODEL), spec_kwargs.get("grad_accum", 1)
-    losses, metrics = [], []
-    for step in steps:
-        batch = synthetic_batch(cfg, seed=0, step=step, rows=ROWS_PER_RANK * accum * world)
-        loss = engine.step(rank_micro_batches(batch, rank=rank, world=world, grad_accum=accum)).clone()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
-        metrics.append(engine.metrics() if hasattr(engine, "metrics") else {})
-    return losses, metrics
 
 
 def _close(engine) -> dict:
@@ -159,13 +143,7 @@ def rank_main(world: int, rank: int, out: Path) -> None:
             results[name][k] = rec
     dist.barrier()
     results["nvme_dir_left"] = sorted(p.name for p in nvme_dir.iterdir())
-    torch.save(results, out / f"rank{rank}.pt.tmp")
-    os.replace(out / f"rank{rank}.pt.tmp", out / f"rank{rank}.pt")
-    dist.barrier()
-    # Note: skip interpreter teardown; gloo's threads can abort a process at exit after all is written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    hand_back_and_exit(results, out, rank)
 
 
 # --- the parent: one launch per world size, all at once --------------------------------------------------

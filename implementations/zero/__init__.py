@@ -18,7 +18,8 @@ One concept per module:
 - ``swap``, ``nvme``: the disk tier of ZeRO-Infinity: swap files with their I/O thread, and the
   master store and parameter shards streamed through them;
 - ``placement``: which of those an engine gets for its offload mode (the only reader of it);
-- ``engine``: what every stage answers alike (full parameters, metrics, checkpoints, ``close``);
+- ``engine``: what every stage answers alike (set-up, full parameters, metrics, checkpoints, ``close``) and
+  the step stages 2 and 3 share;
 - ``comm``, ``precision``, ``options``, ``checkpoint``, ``state``, ``loop``: the small shared pieces;
 - ``stage1``, ``stage2``, ``stage3``: one engine each, built from those pieces.
 """

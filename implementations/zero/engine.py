@@ -6,9 +6,18 @@ import os
 from collections import deque
 
 import torch
+from torch import nn
 
+from implementations._common import accumulate
 from implementations.zero import checkpoint
+from implementations.zero.comm import Comm
+from implementations.zero.flat import partition_by_numel
+from implementations.zero.loop import forward_backward
+from implementations.zero.options import ZeroOptions
+from implementations.zero.params import ReplicatedParams
+from implementations.zero.placement import Placement
 from implementations.zero.state import gather_full_parameters
+from zbench.protocol import MicroBatch, TrainSpec
 
 
 GATHERS_IN_FLIGHT = 2
@@ -22,6 +31,24 @@ class ShardedEngine:
     """
 
     stage: int
+
+    def _begin(self, model: nn.Module, spec: TrainSpec, group) -> None:
+        """What every stage sets up first: options, communicator, parameter names and the offload placement."""
+        self.model, self.spec = model, spec
+        self.options = ZeroOptions.from_spec(spec)
+        self.comm = Comm(group)
+        self.names = [name for name, _ in model.named_parameters()]
+        self.placement = Placement(spec, self.options, self.comm, stage=self.stage)
+
+    def _replicated_groups(self, reduce_dtype: torch.dtype) -> list[ReplicatedParams]:
+        """Stages 1 and 2: the model's parameters in bucket-sized flat groups, each group's master shard handed
+        to the placement's master store."""
+        groups = []
+        for chunk in partition_by_numel(list(self.model.named_parameters()), self.options.bucket_numel(reduce_dtype)):
+            group = ReplicatedParams(chunk, comm=self.comm, dtype=self.spec.compute_dtype)
+            self.placement.masters.add(group.take_master(), group.tier)
+            groups.append(group)
+        return groups
 
     def flat_groups(self) -> list:
         return self.groups
@@ -68,3 +95,30 @@ class ShardedEngine:
         Idempotent; the engine must not be used afterwards. A no-op for the other offload modes.
         """
         self.placement.close()
+
+
+class ReducedEachMicroBatch(ShardedEngine):
+    """The step of stages 2 and 3, whose ``GradBucket``s reduce-scatter every micro-batch as backward runs.
+
+    A subclass sets ``buckets`` and ``inflight``; ``after_micro_batch`` is where stage 3 frees the
+    gathered parameters that backward left behind.
+    """
+
+    def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        for bucket in self.buckets:
+            bucket.begin_step()
+        loss = accumulate(micro_batches, lambda batch, _last: self._forward_backward(batch, len(micro_batches)))
+        if self.optimizer.step([bucket.grad_shard.ready() for bucket in self.buckets]):
+            self.refresh_parameters()
+        return loss
+
+    def _forward_backward(self, batch: MicroBatch, n: int) -> torch.Tensor:
+        loss = forward_backward(self.model, batch, spec=self.spec, scaler=self.scaler, n=n)
+        for bucket in self.buckets:
+            bucket.end_micro_batch()
+        self.inflight.clear()
+        self.after_micro_batch()
+        return loss
+
+    def after_micro_batch(self) -> None:
+        """Nothing by default."""

@@ -38,7 +38,21 @@ def copy_mean_part(view: torch.Tensor, grad: torch.Tensor, world: int) -> None:
         view.copy_(grad).div_(world)
 
 
-class AccumulatedGradBucket:
+class _FedByAutograd:
+    """A bucket that autograd fills: each parameter's post-accumulate-grad hook hands it to the bucket's ``add``."""
+
+    def attach(self, params: list[torch.Tensor]) -> None:
+        """Register the hooks on the group's parameters, in layout order."""
+        for index, param in enumerate(params):
+            param.register_post_accumulate_grad_hook(self._hook(index))
+
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def on_grad(param: torch.Tensor) -> None:
+            self.add(index, param)
+        return on_grad
+
+
+class AccumulatedGradBucket(_FedByAutograd):
     """One flat group's whole gradient, accumulated over a step's micro-batches and reduce-scattered once (stage 1).
 
     On the last micro-batch, once the group's last gradient has arrived, the buffer is reduce-scattered
@@ -67,12 +81,6 @@ class AccumulatedGradBucket:
 
     def begin_last_micro_batch(self) -> None:
         self._last = True
-
-    def hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        """The ``register_post_accumulate_grad_hook`` callback for the group's ``index``-th parameter."""
-        def on_grad(param: torch.Tensor) -> None:
-            self.add(index, param)
-        return on_grad
 
     def add(self, index: int, param: torch.Tensor) -> None:
         view, grad = self._views[index], param.grad
@@ -142,7 +150,7 @@ class InFlight:
         self._pending.clear()
 
 
-class GradBucket:
+class GradBucket(_FedByAutograd):
     """Collects one flat group's gradients during backward and reduce-scatters them into ``grad_shard``.
 
     ``grad_shard`` is a ``tiers.GradShard``: the reduction writes into it directly when it can
@@ -183,12 +191,6 @@ class GradBucket:
 
     def begin_step(self) -> None:
         self._fresh = True
-
-    def hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        """The ``register_post_accumulate_grad_hook`` callback for the group's ``index``-th parameter."""
-        def on_grad(param: torch.Tensor) -> None:
-            self.add(index, param)
-        return on_grad
 
     def add(self, index: int, param: torch.Tensor) -> None:
         if self._buffer is None:

@@ -6,15 +6,10 @@ import torch
 from torch import nn
 
 from implementations._common import accumulate
-from implementations.zero.comm import Comm
-from implementations.zero.flat import partition_by_numel
 from implementations.zero.grads import AccumulatedGradBucket
 from implementations.zero.loop import forward_backward
 from implementations.zero.engine import ShardedEngine
 from implementations.zero.optim import ShardedOptimizer
-from implementations.zero.options import ZeroOptions
-from implementations.zero.params import ReplicatedParams
-from implementations.zero.placement import Placement
 from implementations.zero.precision import LossScaler
 from implementations.zero.state import Held, total, zero_state_bytes
 from zbench.protocol import MicroBatch, TrainSpec
@@ -34,25 +29,15 @@ class ZeRO1Engine(ShardedEngine):
     stage = 1
 
     def __init__(self, model: nn.Module, spec: TrainSpec, group) -> None:
-        self.model, self.spec = model, spec
-        self.options = ZeroOptions.from_spec(spec)
-        self.comm = Comm(group)
-        named = list(model.named_parameters())
-        self.names = [name for name, _ in named]
+        self._begin(model, spec, group)
         reduce_dtype = self.options.reduce_dtype_for(spec)
-        self.placement = Placement(spec, self.options, self.comm, stage=self.stage)
-        self.groups = []
-        for chunk in partition_by_numel(named, self.options.bucket_numel(reduce_dtype)):
-            group_ = ReplicatedParams(chunk, comm=self.comm, dtype=spec.compute_dtype)
-            self.placement.masters.add(group_.take_master(), group_.tier)
-            self.groups.append(group_)
+        self.groups = self._replicated_groups(reduce_dtype)
         self.reduced = [self.placement.reduced_grad(g.layout.shard_numel) for g in self.groups]
         self.buckets = []
         for group_ in self.groups:
             bucket = AccumulatedGradBucket(group_.layout, comm=self.comm, dtype=spec.compute_dtype,
                                            reduce_dtype=reduce_dtype, device=spec.device)
-            for i, p in enumerate(group_.params):
-                p.register_post_accumulate_grad_hook(bucket.hook(i))
+            bucket.attach(group_.params)
             self.buckets.append(bucket)
         self.scaler = LossScaler.for_spec(spec, self.options)
         self.optimizer = ShardedOptimizer(self.placement.masters, spec=spec, comm=self.comm, scaler=self.scaler)

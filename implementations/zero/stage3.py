@@ -9,18 +9,13 @@ from functools import partial
 import torch
 from torch import nn
 
-from implementations._common import accumulate
-from implementations.zero.comm import Comm
 from implementations.zero.grads import GradBucket, InFlight
-from implementations.zero.loop import forward_backward
-from implementations.zero.engine import ShardedEngine
+from implementations.zero.engine import ReducedEachMicroBatch
 from implementations.zero.optim import ShardedOptimizer
-from implementations.zero.options import ZeroOptions
 from implementations.zero.params import ShardedParams
-from implementations.zero.placement import Placement
 from implementations.zero.precision import LossScaler
 from implementations.zero.state import Held, total, zero_state_bytes
-from zbench.protocol import MicroBatch, TrainSpec
+from zbench.protocol import TrainSpec
 
 
 def split_units(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[list[tuple[str, nn.Parameter]]]]:
@@ -110,7 +105,7 @@ class Schedule:
         self._prefetch(range(i - 1, i - 1 - self.prefetch, -1), fetch=i - 1 - self.prefetch)
 
 
-class ZeRO3Engine(ShardedEngine):
+class ZeRO3Engine(ReducedEachMicroBatch):
     """Every rank keeps only its slice of each unit's parameters, gradients and optimizer state.
 
     Units are the root (embeddings, final norm, head) and each transformer block, each a flat,
@@ -125,13 +120,9 @@ class ZeRO3Engine(ShardedEngine):
     stage = 3
 
     def __init__(self, model: nn.Module, spec: TrainSpec, group) -> None:
-        self.model, self.spec = model, spec
-        self.options = ZeroOptions.from_spec(spec)
-        self.comm = Comm(group)
-        self.names = [name for name, _ in model.named_parameters()]
+        self._begin(model, spec, group)
         root, blocks = split_units(model)
         dtype = spec.compute_dtype
-        self.placement = Placement(spec, self.options, self.comm, stage=self.stage)
         self.units = []
         for named in ([root] if root else []) + blocks:
             unit = ShardedParams(named, comm=self.comm, dtype=dtype, tier=self.placement.param_tier)
@@ -146,28 +137,15 @@ class ZeRO3Engine(ShardedEngine):
             shard = self.placement.grad_shard(unit.layout.shard_numel, dtype=dtype)
             bucket = GradBucket(unit.layout, comm=self.comm, reduce_dtype=reduce_dtype, grad_shard=shard,
                                 device=spec.device, inflight=self.inflight, on_launch=weakly(unit.reshard))
-            for i, p in enumerate(unit.params):
-                p.register_post_accumulate_grad_hook(bucket.hook(i))
+            bucket.attach(unit.params)
             self.buckets.append(bucket)
         Schedule(self.root, self.blocks, prefetch=self.options.prefetch).install(model)
         self.scaler = LossScaler.for_spec(spec, self.options)
         self.optimizer = ShardedOptimizer(self.placement.masters, spec=spec, comm=self.comm, scaler=self.scaler)
 
-    def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
-        for bucket in self.buckets:
-            bucket.begin_step()
-        loss = accumulate(micro_batches, lambda batch, _last: self._forward_backward(batch, len(micro_batches)))
-        self.optimizer.step([bucket.grad_shard.ready() for bucket in self.buckets])
-        return loss
-
-    def _forward_backward(self, batch: MicroBatch, n: int) -> torch.Tensor:
-        loss = forward_backward(self.model, batch, spec=self.spec, scaler=self.scaler, n=n)
-        for bucket in self.buckets:
-            bucket.end_micro_batch()
-        self.inflight.clear()
+    def after_micro_batch(self) -> None:
         for unit in self.units:
             unit.reshard()
-        return loss
 
     def state_bytes(self) -> dict[str, dict[str, int]]:
         params = list(self.model.parameters())
@@ -179,4 +157,4 @@ class ZeRO3Engine(ShardedEngine):
         return self.units
 
     def refresh_parameters(self) -> None:
-        """Stage 3's parameters are the shards themselves: nothing to gather after a load."""
+        """Stage 3's parameters are the shards themselves: nothing to gather after a step or a load."""
