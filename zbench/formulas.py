@@ -95,3 +95,15 @@ def placement(*, params: int, world: int, stage: int, precision: str, offload: s
     param_loc = {"optimizer+params": "host", "nvme": "disk"}.get(offload, "device") if stage == 3 else "device"
     out["parameters"][param_loc] = by_cat["parameters"]
     return out
+
+
+def placement_for(case, capabilities) -> dict[str, dict[str, float]]:
+    """``placement`` for one suite case, with the layout its implementation declares (master weights kept in
+    mixed precision, a separate master when offloading)."""
+    from zbench.models import get_config
+
+    return placement(params=get_config(case.model).num_parameters, world=case.world_size, stage=case.stage,
+                     precision=case.precision, offload=case.offload, optimizer=case.optimizer,
+                     momentum=case.momentum,
+                     master_weights=capabilities.keeps_master_weights and case.precision != "fp32",
+                     offload_master=capabilities.offload_keeps_master)

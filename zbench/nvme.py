@@ -21,8 +21,7 @@ from pathlib import Path
 
 from zbench import registry
 from zbench.errors import UsageError
-from zbench.formulas import placement
-from zbench.models import get_config
+from zbench.formulas import placement_for
 
 #: Room kept free beyond the predicted swap files (file-system metadata, rounding, other writers).
 HEADROOM = 1.10
@@ -31,11 +30,7 @@ HEADROOM_BYTES = 64 * 2**20
 
 def needed_bytes(case) -> int:
     """Bytes a case writes under ``nvme_dir``: the formulas' disk share per rank, times its ranks, with headroom."""
-    caps = registry.resolve(case.implementation).capabilities
-    disk = placement(params=get_config(case.model).num_parameters, world=case.world_size, stage=case.stage,
-                     precision=case.precision, offload=case.offload, optimizer=case.optimizer,
-                     momentum=case.momentum, master_weights=caps.keeps_master_weights and case.precision != "fp32",
-                     offload_master=caps.offload_keeps_master)
+    disk = placement_for(case, registry.resolve(case.implementation).capabilities)
     per_rank = sum(locs["disk"] for locs in disk.values())
     return int(per_rank * case.world_size * HEADROOM) + HEADROOM_BYTES
 
@@ -65,8 +60,8 @@ def check_suite(cases, nvme_dir: str | None) -> None:
     """Up-front check for every NVMe case that will run; the largest need decides the room required."""
     nvme_cases = [c for c in cases if c.offload == "nvme" and c.skip_reason is None]
     if nvme_cases:
-        biggest = max(nvme_cases, key=needed_bytes)
-        check_directory(nvme_dir, needed_bytes(biggest), what=f"case {biggest.case_id}")
+        need, biggest = max(((needed_bytes(c), c) for c in nvme_cases), key=lambda pair: pair[0])
+        check_directory(nvme_dir, need, what=f"case {biggest.case_id}")
 
 
 @contextmanager

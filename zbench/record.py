@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 from zbench import registry
-from zbench.formulas import placement
+from zbench.formulas import placement_for
 from zbench.launch import Outcome
 from zbench.measure.comms import theory_elements as comm_theory
 from zbench.measure.flops import derived
@@ -58,7 +58,7 @@ def _measurements(case: Case, ranks: list[dict]) -> dict:
                     "final_loss": steps[-1]["loss"]},
         "memory": {"kind": ranks[0]["memory"]["kind"], "peak_bytes": max(r["memory"]["bytes"] for r in ranks),
                    "per_rank": [r["memory"] for r in ranks]},
-        "model_state": model_state(case, ranks, params),
+        "model_state": model_state(case, ranks),
         "comms": comms,
         "phases": phases,
     }
@@ -131,16 +131,12 @@ def time_to_target(steps: list[dict], target: float | None) -> dict | None:
     return {"target_loss": target, "reached": False, "steps": None, "seconds": None}
 
 
-def model_state(case: Case, ranks: list[dict], params: int) -> dict:
+def model_state(case: Case, ranks: list[dict]) -> dict:
     """Measured bytes (the fullest rank) by category and location next to the formulas' placement (design §5)."""
     per_rank = [r["state_bytes"] for r in ranks]
     fullest = max(per_rank, key=lambda s: sum(sum(v.values()) for v in s.values()))
     measured = {c: {loc: fullest.get(c, {}).get(loc, 0) for loc in LOCATIONS} for c in CATEGORIES}
-    caps = registry.resolve(case.implementation).capabilities
-    predicted = placement(params=params, world=case.world_size, stage=case.stage, precision=case.precision,
-                          offload=case.offload, optimizer=case.optimizer, momentum=case.momentum,
-                          master_weights=caps.keeps_master_weights and case.precision != "fp32",
-                          offload_master=caps.offload_keeps_master)
+    predicted = placement_for(case, registry.resolve(case.implementation).capabilities)
     by_location = {loc: {"measured": sum(measured[c][loc] for c in CATEGORIES),
                          "predicted": sum(predicted[c][loc] for c in CATEGORIES)} for loc in LOCATIONS}
     for v in by_location.values():
