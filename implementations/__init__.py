@@ -5,10 +5,10 @@ other implementation by import path (``my_pkg.engine:MyZero``).
 """
 
 BUILTIN: dict[str, str] = {
-    "ddp": "implementations.ddp:IMPLEMENTATION",
-    "fsdp": "implementations.fsdp:IMPLEMENTATION",
-    "torch_zero": "implementations.torch_zero:IMPLEMENTATION",
-    "zero1": "implementations.zero:ZERO1",
-    "zero2": "implementations.zero:ZERO2",
-    "zero3": "implementations.zero:ZERO3",
+    "ddp": "zbench.implementations.ddp:IMPLEMENTATION",
+    "fsdp": "zbench.implementations.fsdp:IMPLEMENTATION",
+    "torch_zero": "zbench.implementations.torch_zero:IMPLEMENTATION",
+    "zero1": "zbench.implementations.zero:ZERO1",
+    "zero2": "zbench.implementations.zero:ZERO2",
+    "zero3": "zbench.implementations.zero:ZERO3",
 }

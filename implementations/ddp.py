@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from implementations._common import accumulate, autocast, full_parameters_of, grad_scaler, maybe
-from zbench.measure.state import module_state_bytes
-from zbench.protocol import Capabilities, MicroBatch, TrainSpec
+from zbench.implementations._common import accumulate, autocast, full_parameters_of, grad_scaler, maybe
+from zbench.state_bytes import module_state_bytes
+from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, TrainSpec
 
 
-class DDPEngine:
+class DDPEngine(EngineBase):
     """Replicated parameters, gradients and optimizer state; gradients all-reduced in buckets during backward."""
 
-    def __init__(self, model: nn.Module, spec: TrainSpec, group) -> None:
+    def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         self.spec = spec
         self.module = model
         device_ids = [spec.device.index] if spec.device.type == "cuda" else None
@@ -49,11 +50,11 @@ class DDPEngine:
         return {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}
 
 
-class DDP:
+class DDP(ImplementationBase):
     name = "ddp"
     capabilities = Capabilities(stages=frozenset({0}), precisions=frozenset({"fp32", "bf16", "fp16"}))
 
-    def build(self, model: nn.Module, spec: TrainSpec, group) -> DDPEngine:
+    def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> DDPEngine:
         return DDPEngine(model, spec, group)
 
 

@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from implementations._common import accumulate, full_parameters_of
-from zbench.measure.state import module_state_bytes, moved_to_host
-from zbench.protocol import Capabilities, MicroBatch, TrainSpec
+from zbench.implementations._common import accumulate, full_parameters_of
+from zbench.state_bytes import module_state_bytes, moved_to_host
+from zbench.presets import GPTConfig
+from zbench.protocol import Capabilities, EngineBase, MicroBatch, TrainSpec
 
 
-class FSDPEngine:
-    def __init__(self, model: nn.Module, spec: TrainSpec, group) -> None:
+class FSDPEngine(EngineBase):
+    def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         self.spec = spec
         mesh = DeviceMesh.from_group(group, spec.device.type) if group is not None else None
         policy = MixedPrecisionPolicy(param_dtype=spec.compute_dtype if spec.precision != "fp32" else None,
@@ -62,13 +64,13 @@ class FSDP:
     capabilities = Capabilities(stages=frozenset({3}), precisions=frozenset({"fp32", "bf16"}),
                                 offload=frozenset({"none", "optimizer+params"}), offload_keeps_master=False)
 
-    def expected_comm_elements(self, cfg, world: int) -> int:
+    def expected_comm_elements(self, cfg: GPTConfig, world: int) -> int:
         """Design's 3Ψ less one gather of the root unit: FSDP2 keeps the root's parameters gathered from
         forward to backward, so only the blocks are gathered twice."""
         root = cfg.num_parameters - cfg.layers * cfg.block_parameters
         return 3 * cfg.num_parameters - root
 
-    def build(self, model: nn.Module, spec: TrainSpec, group) -> FSDPEngine:
+    def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> FSDPEngine:
         return FSDPEngine(model, spec, group)
 
 

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from implementations.ddp import DDPEngine
-from zbench.measure.state import module_state_bytes, optimizer_tensors, tensor_bytes
+from zbench.implementations.ddp import DDPEngine
+from zbench.state_bytes import module_state_bytes, optimizer_tensors, tensor_bytes
+from zbench.presets import GPTConfig
 from zbench.protocol import Capabilities, TrainSpec
 
 
 class TorchZeroEngine(DDPEngine):
     """DDP's training loop with the optimizer swapped for ``ZeroRedundancyOptimizer``."""
 
-    def __init__(self, model: nn.Module, spec: TrainSpec, group) -> None:
+    def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         super().__init__(model, spec, group)
         cls, kwargs = spec.optimizer_class_and_kwargs()
         self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, process_group=group, **kwargs)
@@ -28,11 +30,11 @@ class TorchZero:
     name = "torch_zero"
     capabilities = Capabilities(stages=frozenset({1}), precisions=frozenset({"fp32", "bf16"}))
 
-    def expected_comm_elements(self, cfg, world: int) -> int:
+    def expected_comm_elements(self, cfg: GPTConfig, world: int) -> int:
         """Not ZeRO-1's optimal 2Ψ: DDP all-reduces every gradient (2Ψ), then each rank broadcasts its shard (Ψ)."""
         return 3 * cfg.num_parameters
 
-    def build(self, model: nn.Module, spec: TrainSpec, group) -> TorchZeroEngine:
+    def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> TorchZeroEngine:
         return TorchZeroEngine(model, spec, group)
 
 

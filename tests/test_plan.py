@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import zbench
 from zbench.formulas import placement
-from zbench.models import PRESETS
+from zbench.presets import PRESETS
 from zbench.plan import plan
 
 PSI = PRESETS["gpt-70b"].num_parameters

@@ -9,7 +9,8 @@ import torch
 
 from zbench import equivalence, store, suite
 from zbench.formulas import expected_state_bytes
-from zbench.models import GPT, PRESETS, build_model, rank_micro_batches, synthetic_batch
+from zbench.models import GPT, build_model, rank_micro_batches, synthetic_batch
+from zbench.presets import PRESETS
 
 
 # --- models -----------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
 
 from tests.conftest import hand_back_and_exit, launch_rank_scripts  # noqa: E402
 from zbench.formulas import expected_state_bytes  # noqa: E402
-from zbench.models import PRESETS  # noqa: E402
+from zbench.presets import PRESETS  # noqa: E402
 
 MODEL = "tiny"
 ROWS_PER_RANK = 2  # per micro-batch
@@ -99,8 +99,8 @@ def _build(impl: str, spec_kwargs: dict, options: dict, group):
 def _rebucketed_ddp_class():
     from torch.nn.parallel import DistributedDataParallel
 
-    from implementations._common import grad_scaler
-    from implementations.ddp import DDPEngine
+    from zbench.implementations._common import grad_scaler
+    from zbench.implementations.ddp import DDPEngine
 
     class RebucketedDDP(DDPEngine):
         """DDP itself with another reduction layout (small buckets): the noise floor at world >= 3."""
@@ -295,9 +295,9 @@ def test_checkpoint_resume_continues_identically(runs, world, impl):
 
 
 def test_checkpoint_is_one_file_per_rank_loaded_weights_only(tmp_path):
-    from implementations.zero import checkpoint
-    from implementations.zero.comm import Comm
-    from implementations.zero.flat import FlatLayout
+    from zbench.implementations.zero import checkpoint
+    from zbench.implementations.zero.comm import Comm
+    from zbench.implementations.zero.flat import FlatLayout
 
     comm = Comm(None)
     layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(3)))], world=1)
@@ -350,7 +350,7 @@ def test_registered_with_capabilities(name, stage):
 
 
 def test_unknown_option_is_a_clear_error():
-    from implementations.zero import ZERO2
+    from zbench.implementations.zero import ZERO2
     from zbench.models import build_model
     from zbench.protocol import TrainSpec
 
@@ -359,7 +359,7 @@ def test_unknown_option_is_a_clear_error():
 
 
 def test_world_of_one_without_a_process_group():
-    from implementations.zero import ZERO3
+    from zbench.implementations.zero import ZERO3
     from zbench.models import build_model, get_config, rank_micro_batches, synthetic_batch
     from zbench.protocol import Engine, TrainSpec
 

@@ -34,7 +34,7 @@ from tests.test_zero_engine import (  # noqa: E402
     update_error,
 )
 from zbench.formulas import placement  # noqa: E402
-from zbench.models import PRESETS  # noqa: E402
+from zbench.presets import PRESETS  # noqa: E402
 
 STEPS = 20
 SAVE_AT = 10
@@ -384,7 +384,7 @@ def test_engines_without_files_close_as_a_no_op():
 
 
 def test_swap_region_round_trip_any_dtype(tmp_path):
-    from implementations.zero.swap import SwapDir
+    from zbench.implementations.zero.swap import SwapDir
 
     swap = SwapDir(tmp_path, rank=0)
     f = swap.file("parameters")

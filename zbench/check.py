@@ -8,8 +8,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from zbench.console import fmt_bytes, fmt_seconds
 from zbench.errors import UsageError
+from zbench.formatting import fmt_bytes, fmt_seconds
 from zbench.regress import CheckResult, Finding, check, latest_baseline, machine_fingerprint, thresholds_for
 from zbench.store import RunDir, latest_run
 
@@ -30,15 +30,15 @@ def run(results: Path, baseline: str, *, time_pct: float | None, memory_pct: flo
                              "machine; pass --baseline DIR")
     else:
         base = _newest(Path(baseline), "--baseline")
-        if machine_fingerprint(base.run_info()) != machine_fingerprint(candidate.run_info()):
-            host = (base.run_info().get("environment") or {}).get("host")
+        if machine_fingerprint(base.info()) != machine_fingerprint(candidate.info()):
+            host = base.info().environment.host
             raise UsageError(f"--baseline {baseline}: recorded on another machine ({host}); baselines are per machine")
         if base.path == candidate.path:
             raise UsageError(f"--baseline {baseline}: is the candidate run itself")
     return check(candidate, base, thresholds_for(candidate, time_pct=time_pct, memory_pct=memory_pct))
 
 
-def _value(f: Finding, v) -> str:
+def _value(f: Finding, v: float | str | None) -> str:
     if v is None or isinstance(v, str):
         return str(v)
     return fmt_seconds(v) if f.metric == "step_time" else fmt_bytes(v)

@@ -5,21 +5,54 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+import zbench
 from zbench.errors import UsageError
+from zbench.values import Precision
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Benchmark and regression-test ZeRO implementations against DDP: "
                        "loss equivalence, step time, memory, reports.")
 
-ResultsOpt = Annotated[Path, typer.Option("--results", help="Directory that holds one sub-directory per run.")]
+#: The precision ``plan`` and ``compare`` assume unless told: mixed precision, as ZeRO is used.
+DEFAULT_PRECISION: Precision = "bf16"
+DEFAULT_RESULTS = Path("results")
+
+ResultsOpt = Annotated[Optional[Path], typer.Option(
+    "--results", envvar="ZBENCH_RESULTS", show_default="results, or $ZBENCH_RESULTS",
+    help="Directory that holds one sub-directory per run.")]
+ResultsArg = Annotated[Optional[Path], typer.Argument(
+    metavar="[RESULTS]", show_default=False,
+    help="Same as --results: a results directory (its newest run) or one run's directory.")]
 ReportOpt = Annotated[Path, typer.Option("--report", help="Directory the HTML report (index.html) is written to.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+PrecisionOpt = Annotated[Precision, typer.Option(help="Training precision (bf16/fp16: mixed precision).")]
+DeviceOpt = Annotated[Literal["auto", "cpu", "cuda"], typer.Option(help="auto: cuda where a GPU is present.")]
+
+
+def _results(positional: Path | None, option: Path | None) -> Path:
+    """The results directory from ``RESULTS`` or ``--results`` (or ``$ZBENCH_RESULTS``), which must agree."""
+    if positional is not None and option is not None and positional != option:
+        raise UsageError(f"results given twice: {positional} and --results {option} (or $ZBENCH_RESULTS); give one")
+    return positional or option or DEFAULT_RESULTS
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"zbench {zbench.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """Benchmark and regression-test ZeRO implementations against DDP: loss equivalence, step time, memory, reports."""
 
 
 def _stdout() -> Console:
@@ -31,27 +64,35 @@ def _stdout() -> Console:
 @app.command()
 def run(
     suite_file: Annotated[Path, typer.Argument(metavar="SUITE", help="Suite YAML file, e.g. suites/smoke.yaml.")],
-    results: ResultsOpt = Path("results"),
+    results: ResultsOpt = None,
     report: ReportOpt = Path("reports"),
     resume: Annotated[Optional[str], typer.Option(help="Run id under --results to complete: cases already stored are not run again.")] = None,
+    keep_params: Annotated[bool, typer.Option("--keep-params", help="Keep every case's final parameters "
+                                              "(params/<case>.pt); by default they are deleted once the verdict is stored.")] = False,
 ) -> None:
     """Run every case of a suite, check each against DDP, store results and render the report.
 
     Exit code 1 when a case failed (error, oom, timeout) or did not train like DDP.
     """
+    from zbench import preflight
     from zbench import suite as suite_mod
     from zbench.console import Progress, stderr_console
     from zbench.report import render
     from zbench.runner import run_suite
 
-    suite = suite_mod.load(suite_file)
-    result = run_suite(suite, results_root=results, resume=resume, progress=Progress())
-    page = render(result.run, report, results_root=results)
+    suite_file_ = suite_mod.read(suite_file)
+    if keep_params:
+        suite_file_ = suite_mod.SuiteFile(suite_file_.path, suite_file_.sha256,
+                                          suite_file_.config.model_copy(update={"keep_params": True}))
+    suite = preflight.prepare(suite_file_)
+    root = _results(None, results)
+    result = run_suite(suite, results_root=root, resume=resume, progress=Progress())
+    page = render(result.run, report, results_root=root)
     err = stderr_console()
     err.print(Text(f"results: {result.run.path}\nreport:  {page}"))
     if result.failed:
         err.print(Text(f"{len(result.failed)} case(s) failed or diverged from DDP: "
-                       f"{', '.join(r['case_id'] for r in result.failed)}", style="red"))
+                       f"{', '.join(r.case_id for r in result.failed)}", style="red"))
         raise typer.Exit(1)
 
 
@@ -60,24 +101,28 @@ def compare(
     a: Annotated[str, typer.Argument(help="First implementation (name or module:attribute).")],
     b: Annotated[str, typer.Argument(help="Second implementation.")],
     gpus: Annotated[Optional[int], typer.Option(help="Run on this many GPUs (NCCL). Bad input if fewer are present.")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    device: DeviceOpt = "auto",
     nproc: Annotated[Optional[int], typer.Option(help="Ranks (processes) when not using --gpus; default: all GPUs, or 2 on CPU.")] = None,
     model: Annotated[str, typer.Option(help="Model preset (see `zbench list`).")] = "tiny",
     steps: Annotated[int, typer.Option(help="Training steps (first 3 are warm-up).")] = 20,
     micro_batch: Annotated[int, typer.Option(help="Sequences per rank per step.")] = 4,
-    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16.")] = "fp32",
+    precision: PrecisionOpt = DEFAULT_PRECISION,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (with a `cases` list) instead of a table.")] = False,
-    results: ResultsOpt = Path("results"),
+    results: ResultsOpt = None,
 ) -> None:
-    """Run two implementations on the same model, data and seed and print them side by side (with DDP as reference)."""
+    """Run two implementations on the same model, data and seed and print them side by side (with DDP as reference).
+
+    A combination either implementation does not support is bad input (exit 2), before anything trains.
+    """
     from zbench import compare as compare_mod
 
     if gpus is not None:
         if nproc is not None or device not in ("auto", "cuda"):
             raise UsageError("--gpus runs on CUDA; do not combine it with --device cpu or --nproc")
         device, nproc = "cuda", gpus
-    outcome = compare_mod.run(a, b, device=device, nproc=nproc, model=model, steps=steps, micro_batch=micro_batch,
-                              precision=precision, results=results, quiet=as_json)
+    suite = compare_mod.prepare(a, b, device=device, nproc=nproc, model=model, steps=steps, micro_batch=micro_batch,
+                                precision=precision)
+    outcome = compare_mod.run(suite, results=_results(None, results), quiet=as_json)
     if as_json:
         print(json.dumps(outcome.as_json(), indent=1))
     else:
@@ -88,18 +133,23 @@ def compare(
 
 @app.command()
 def check(
-    results: Annotated[Path, typer.Argument(help="The candidate: a results directory (its newest run) or one run's directory.")] = Path("results"),
+    results_arg: ResultsArg = None,
+    results: ResultsOpt = None,
     baseline: Annotated[str, typer.Option(help="'latest' (the newest earlier run of the same suite on this machine), "
                                                "or a run directory, or a results directory (its newest run).")] = "latest",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
+    as_json: JsonOpt = False,
     markdown: Annotated[Optional[Path], typer.Option(help="Also write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
     time_threshold: Annotated[Optional[float], typer.Option(help="Minimum step-time growth in percent (default: the suite's, else 5).")] = None,
     memory_threshold: Annotated[Optional[float], typer.Option(help="Minimum memory growth in percent (default: the suite's, else 2).")] = None,
 ) -> None:
-    """Gate a run against a baseline from the same machine: exit 1 on any regression or failed case, else 0."""
+    """Gate a run against a baseline from the same machine: exit 1 on any regression or failed case, else 0.
+
+    The candidate is the newest run under RESULTS (or RESULTS itself when it is one run's directory).
+    """
     from zbench import check as check_mod
 
-    outcome = check_mod.run(results, baseline, time_pct=time_threshold, memory_pct=memory_threshold)
+    outcome = check_mod.run(_results(results_arg, results), baseline, time_pct=time_threshold,
+                            memory_pct=memory_threshold)
     if markdown is not None:
         markdown.parent.mkdir(parents=True, exist_ok=True)
         with open(markdown, "a") as f:
@@ -119,21 +169,19 @@ def plan(
     gpus: Annotated[int, typer.Option(help="Data-parallel GPUs (N in the formulas).")] = 8,
     gpu_memory: Annotated[Optional[float], typer.Option("--gpu-memory", help="GiB per GPU; shows which combinations fit.")] = None,
     gpus_per_node: Annotated[Optional[int], typer.Option(help="GPUs sharing one host's memory (default: all).")] = None,
-    precision: Annotated[str, typer.Option(help="bf16/fp16 (mixed: 2+2+12 bytes per parameter) or fp32 (4+4+8).")] = "bf16",
+    precision: Annotated[Precision, typer.Option(help="bf16/fp16 (mixed: 2+2+12 bytes per parameter) or fp32 (4+4+8).")] = DEFAULT_PRECISION,
     reserve: Annotated[float, typer.Option(help="Share of each GPU kept free for activations and buffers.")] = 0.2,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Memory per GPU, per host and on disk for every ZeRO stage x offload mode, from the formulas, before running."""
     from zbench import plan as plan_mod
-    from zbench.console import fmt_bytes
-    from zbench.models import PRESETS
+    from zbench.formatting import fmt_bytes
+    from zbench.presets import PRESETS
 
     if (model is None) == (params is None):
         raise UsageError("give exactly one of --model NAME or --params N")
     if model is not None and model not in PRESETS:
         raise UsageError(f"--model: unknown model {model!r}; allowed: {', '.join(PRESETS)}")
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise UsageError(f"--precision: {precision!r} is not one of fp32, bf16, fp16")
     if gpus < 1 or (params is not None and params < 1) or (gpu_memory is not None and gpu_memory <= 0):
         raise UsageError("--gpus, --params and --gpu-memory must be positive")
     if not 0 <= reserve < 1:
@@ -161,17 +209,19 @@ def plan(
 
 @app.command("report")
 def report_cmd(
-    results: Annotated[Path, typer.Argument(help="A results directory (its newest run is shown) or one run's directory.")] = Path("results"),
+    results_arg: ResultsArg = None,
+    results: ResultsOpt = None,
     report: ReportOpt = Path("reports"),
 ) -> None:
-    """Re-render the HTML report from stored results."""
+    """Re-render the HTML report from stored results: the newest run under RESULTS, with trends over earlier runs."""
     from zbench.report import render
     from zbench.store import latest_run
 
-    run = latest_run(results)
+    root = _results(results_arg, results)
+    run = latest_run(root)
     if run is None:
-        raise UsageError(f"{results}: no runs found (expected <dir>/<run-id>/run.json)")
-    page = render(run, report, results_root=results)
+        raise UsageError(f"{root}: no runs found (expected <dir>/<run-id>/run.json)")
+    page = render(run, report, results_root=root)
     Console(stderr=True, highlight=False).print(Text(f"report: {page} (run {run.run_id})"))
 
 
@@ -180,9 +230,9 @@ def list_cmd(
     suites: Annotated[Path, typer.Option(help="Where to look for suite files.")] = Path("suites"),
 ) -> None:
     """Implementations, model presets and suites zbench knows."""
-    from implementations import BUILTIN
+    from zbench.implementations import BUILTIN
     from zbench import registry
-    from zbench.models import PRESETS
+    from zbench.presets import PRESETS
 
     out = _stdout()
     impls = Table(title="implementations")
@@ -219,8 +269,31 @@ def list_cmd(
     out.print(table)
 
 
+@app.command("gc")
+def gc_cmd(
+    results_arg: ResultsArg = None,
+    results: ResultsOpt = None,
+    keep: Annotated[int, typer.Option(min=1, help="Runs of each suite to keep (the newest).")] = 10,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be removed.")] = False,
+) -> None:
+    """Delete old runs: keep the newest --keep runs of each suite under RESULTS; a run being written is kept."""
+    from zbench import gc
+    from zbench.formatting import fmt_bytes
+
+    root = _results(results_arg, results)
+    if not root.is_dir():
+        raise UsageError(f"{root}: not a results directory")
+    removed = gc.prune(root, keep=keep, dry_run=dry_run)
+    err = Console(stderr=True, highlight=False)
+    for run, size in removed:
+        err.print(Text(f"{'would remove' if dry_run else 'removed'} {run.path} ({fmt_bytes(size)})"))
+    total = sum(size for _, size in removed)
+    err.print(Text(f"{len(removed)} run(s), {fmt_bytes(total)} {'to free' if dry_run else 'freed'}; "
+                   f"kept the newest {keep} of each suite"))
+
+
 @app.command("env")
-def env_cmd(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+def env_cmd(as_json: JsonOpt = False) -> None:
     """What zbench sees: versions, distributed backends, GPUs, driver, nvml."""
     from zbench import environment
 

@@ -2,35 +2,45 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 from rich.text import Text
 
+from zbench import preflight
 from zbench import suite as suite_mod
-from zbench.console import Progress, fmt_bytes, fmt_ratio, fmt_seconds, status_text
+from zbench.console import Progress
+from zbench.errors import UsageError
+from zbench.formatting import fmt_bytes, fmt_rate, fmt_ratio, fmt_seconds, status_text
+from zbench.record import CaseRecord, SummaryRow
 from zbench.runner import RunResult, run_suite
+from zbench.values import Precision
 
 JSON_FIELDS = ("case_id", "implementation", "status", "step_time_median_s", "step_time_iqr_s", "ratio_to_ddp",
                "tokens_per_s", "peak_memory_bytes", "model_state_bytes", "expected_model_state_bytes",
                "max_rel_loss_diff", "max_rel_param_diff", "equivalent", "error")
 
 
-def case_summary(record: dict) -> dict:
-    """The flat per-case figures scripts and CI consume."""
-    summary = record.get("summary") or {}
-    eq = record.get("equivalence") or {}
-    state = record.get("model_state") or {}
-    return {
-        "case_id": record["case_id"], "implementation": record["config"]["implementation"],
-        "status": record["status"], "step_time_median_s": summary.get("step_time_median_s"),
-        "step_time_iqr_s": summary.get("step_time_iqr_s"), "ratio_to_ddp": record.get("ratio_to_ddp"),
-        "tokens_per_s": summary.get("tokens_per_s"), "peak_memory_bytes": (record.get("memory") or {}).get("peak_bytes"),
-        "model_state_bytes": state.get("measured_total"), "expected_model_state_bytes": state.get("expected_total"),
-        "max_rel_loss_diff": eq.get("max_rel_loss_diff"), "max_rel_param_diff": eq.get("max_rel_param_diff"),
-        "equivalent": eq.get("equivalent"), "error": record.get("error") or record.get("skip_reason"),
-    }
+def _sci(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2e}"
+
+
+ROWS: tuple[tuple[str, Callable[[SummaryRow, CaseRecord], str]], ...] = (
+    ("status", lambda r, rec: status_text(rec)),
+    ("median step time", lambda r, rec: fmt_seconds(r.step_time_median_s)),
+    ("IQR", lambda r, rec: fmt_seconds(r.step_time_iqr_s)),
+    ("ratio to DDP", lambda r, rec: fmt_ratio(r.ratio_to_ddp)),
+    ("tokens/s", lambda r, rec: fmt_rate(r.tokens_per_s)),
+    ("peak memory / rank", lambda r, rec: fmt_bytes(r.peak_memory_bytes)),
+    ("model state / rank", lambda r, rec: fmt_bytes(r.model_state_bytes)),
+    ("  ZeRO formula", lambda r, rec: fmt_bytes(r.expected_model_state_bytes)),
+    ("max rel loss diff", lambda r, rec: _sci(r.max_rel_loss_diff)),
+    ("param rel L2 diff", lambda r, rec: _sci(r.max_rel_param_diff)),
+    ("equivalent to DDP", lambda r, rec: {True: "yes", False: "NO", None: "-"}[r.equivalent]),
+)
 
 
 @dataclass
@@ -39,47 +49,45 @@ class Comparison:
 
     @property
     def failed(self) -> bool:
-        return bool(self.result.failed) or any(r["status"] == "skipped" for r in self.result.records)
+        return bool(self.result.failed) or any(r.status == "skipped" for r in self.result.records)
 
-    def as_json(self) -> dict:
+    def as_json(self) -> dict[str, Any]:
         return {"run_id": self.result.run.run_id, "results": str(self.result.run.path),
-                "cases": [case_summary(r) for r in self.result.records]}
+                "cases": [r.summary_row().model_dump(include=set(JSON_FIELDS)) for r in self.result.records]}
 
     def table(self) -> Table:
-        rows = [case_summary(r) for r in self.result.records]
+        records = self.result.records
+        rows = [r.summary_row() for r in records]
         table = Table(title=f"zbench compare (run {self.result.run.run_id})")
         table.add_column("", no_wrap=True)
         for r in rows:
-            table.add_column(r["implementation"], justify="right")
-        lines = [
-            ("status", lambda r, rec: status_text(rec)),
-            ("median step time", lambda r, rec: fmt_seconds(r["step_time_median_s"])),
-            ("IQR", lambda r, rec: fmt_seconds(r["step_time_iqr_s"])),
-            ("ratio to DDP", lambda r, rec: fmt_ratio(r["ratio_to_ddp"])),
-            ("tokens/s", lambda r, rec: f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"),
-            ("peak memory / rank", lambda r, rec: fmt_bytes(r["peak_memory_bytes"])),
-            ("model state / rank", lambda r, rec: fmt_bytes(r["model_state_bytes"])),
-            ("  ZeRO formula", lambda r, rec: fmt_bytes(r["expected_model_state_bytes"])),
-            ("max rel loss diff", lambda r, rec: "-" if r["max_rel_loss_diff"] is None else f"{r['max_rel_loss_diff']:.2e}"),
-            ("param rel L2 diff", lambda r, rec: "-" if r["max_rel_param_diff"] is None else f"{r['max_rel_param_diff']:.2e}"),
-            ("equivalent to DDP", lambda r, rec: {True: "yes", False: "NO", None: "-"}[r["equivalent"]]),
-        ]
-        for label, cell in lines:
-            table.add_row(label, *(Text(cell(r, rec)) for r, rec in zip(rows, self.result.records)))
+            table.add_column(r.implementation, justify="right")
+        for label, cell in ROWS:
+            table.add_row(label, *(Text(cell(r, rec)) for r, rec in zip(rows, records)))
         return table
 
 
-def run(a: str, b: str, *, device: str, nproc: int | None, model: str, steps: int, micro_batch: int,
-        precision: str, results: Path, quiet: bool) -> Comparison:
-    import torch
-
-    resolved = suite_mod.resolve_device(device)
+def prepare(a: str, b: str, *, device: str, nproc: int | None, model: str, steps: int, micro_batch: int,
+            precision: Precision) -> preflight.Suite:
+    """The two-implementation suite; a combination either cannot run is bad input, before anything trains."""
+    resolved = preflight.resolve_device(device)
     if nproc is None:
+        import torch
+
         nproc = torch.cuda.device_count() if resolved == "cuda" else 2
     names = list(dict.fromkeys([a, b]))
     config = suite_mod.from_dict({
         "name": f"compare {' vs '.join(names)}", "device": device, "models": [model], "implementations": names,
         "world_sizes": [nproc], "precisions": [precision], "steps": steps, "micro_batch": micro_batch,
         "warmup_steps": min(3, steps - 1)}, source="compare")
-    suite = suite_mod.build(config, path=None)
+    suite = preflight.prepare(suite_mod.from_flags(config))
+    skipped = [c for c in suite.cases if c.skip_reason]
+    if skipped:
+        c = skipped[0]
+        raise UsageError(f"compare: {c.implementation} cannot run {model} at {precision} on {nproc} {resolved} "
+                         f"rank(s): {c.skip_reason}")
+    return suite
+
+
+def run(suite: preflight.Suite, *, results: Path, quiet: bool) -> Comparison:
     return Comparison(run_suite(suite, results_root=results, progress=Progress(quiet=quiet)))

@@ -23,10 +23,13 @@ from pathlib import Path
 
 import torch
 
+from zbench.record import Equivalence
+from zbench.values import Precision
+
 #: Relative tolerance per precision. fp32 is the design's 1e-5; the low
 #: precisions differ from DDP's autocast by their rounding alone, and are stated
 #: in every report.
-TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}
+TOLERANCE: dict[Precision, float] = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}
 
 
 def loss_differences(losses: Sequence[float], reference: Sequence[float]) -> tuple[float, float]:
@@ -65,22 +68,28 @@ def load_params(path: Path) -> dict[str, torch.Tensor]:
 
 
 def verdict(*, losses: Sequence[float], reference_losses: Sequence[float], params_path: Path | None,
-            reference_params_path: Path | None, precision: str, reference_case: str) -> dict:
-    """The stored equivalence record: differences, tolerance, pass or fail, and why."""
+            reference_params_path: Path | None, precision: Precision, reference_case: str) -> Equivalence:
+    """The stored equivalence verdict: differences, tolerance, pass or fail, and why."""
     tolerance = TOLERANCE[precision]
-    out: dict = {"reference_case": reference_case, "tolerance_rel": tolerance}
+    out = Equivalence(equivalent=False, reference_case=reference_case, tolerance_rel=tolerance)
     try:
-        out["max_abs_loss_diff"], out["max_rel_loss_diff"] = loss_differences(losses, reference_losses)
+        out.max_abs_loss_diff, out.max_rel_loss_diff = loss_differences(losses, reference_losses)
         if params_path is None or reference_params_path is None:
             raise ValueError("final parameters were not stored")
-        abs_p, rel_p, worst, worst_rel = parameter_differences(load_params(params_path), load_params(reference_params_path))
-        out.update(max_abs_param_diff=abs_p, max_rel_param_diff=rel_p, worst_parameter=worst,
-                   worst_parameter_rel_diff=worst_rel)
+        (out.max_abs_param_diff, out.max_rel_param_diff, out.worst_parameter,
+         out.worst_parameter_rel_diff) = parameter_differences(load_params(params_path),
+                                                                load_params(reference_params_path))
     except (ValueError, OSError, RuntimeError) as exc:
-        return {**out, "equivalent": False, "reason": str(exc)}
-    failures = [what for what, value in (("loss", out["max_rel_loss_diff"]), ("parameters", out["max_rel_param_diff"]))
+        out.reason = str(exc)
+        return out
+    failures = [what for what, value in (("loss", out.max_rel_loss_diff), ("parameters", out.max_rel_param_diff))
                 if not value <= tolerance]
-    out["equivalent"] = not failures
+    out.equivalent = not failures
     if failures:
-        out["reason"] = " and ".join(failures) + f" differ from {reference_case} beyond {tolerance:g} relative"
+        out.reason = " and ".join(failures) + f" differ from {reference_case} beyond {tolerance:g} relative"
     return out
+
+
+def not_checked(why: str) -> Equivalence:
+    """A case that could not be compared counts as not equivalent, with the reason."""
+    return Equivalence(equivalent=False, reason=f"not checked: {why}")

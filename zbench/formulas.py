@@ -9,6 +9,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from zbench.presets import get_config
+
+
+if TYPE_CHECKING:
+    from zbench.case import Case
+
 
 def optimizer_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
     if optimizer == "adamw":
@@ -40,9 +48,6 @@ def expected_state_bytes(*, params: int, world: int, stage: int, precision: str,
         "optimizer_state": k * params * o_frac,
         "master_weights": (4 * params * o_frac) if master_weights else 0.0,
     }
-
-
-OFFLOAD_MODES = ("none", "optimizer", "optimizer+params", "nvme")
 
 
 def offload_supported(stage: int, offload: str) -> str | None:
@@ -97,13 +102,13 @@ def placement(*, params: int, world: int, stage: int, precision: str, offload: s
     return out
 
 
-def placement_for(case, capabilities) -> dict[str, dict[str, float]]:
+def placement_for(case: Case) -> dict[str, dict[str, float]]:
     """``placement`` for one suite case, with the layout its implementation declares (master weights kept in
     mixed precision, a separate master when offloading)."""
-    from zbench.models import get_config
-
+    caps = case.capabilities
+    if caps is None:
+        raise ValueError(f"case {case.case_id} carries no capabilities (a schema-1 record); nothing to predict")
     return placement(params=get_config(case.model).num_parameters, world=case.world_size, stage=case.stage,
                      precision=case.precision, offload=case.offload, optimizer=case.optimizer,
-                     momentum=case.momentum,
-                     master_weights=capabilities.keeps_master_weights and case.precision != "fp32",
-                     offload_master=capabilities.offload_keeps_master)
+                     momentum=case.momentum, master_weights=caps.keeps_master_weights and case.precision != "fp32",
+                     offload_master=caps.offload_keeps_master)

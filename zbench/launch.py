@@ -7,7 +7,6 @@ a rank stuck in a collective would otherwise outlive the harness.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -18,7 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zbench.suite import Case
+from zbench.values import Status
+
+from zbench.case import Case
+from zbench.handoff import CaseFiles, RankError, RankResult, WorkerTask
 
 #: How long the surviving ranks get to notice a dead peer before the group is killed.
 PEER_GRACE_S = 10.0
@@ -31,8 +33,10 @@ STDERR_TAIL_LINES = 40
 
 @dataclass
 class Outcome:
-    status: str  # ok | error | oom | timeout
-    ranks: list[dict] = field(default_factory=list)
+    """How a launch ended and what its ranks handed back."""
+
+    status: Status
+    ranks: list[RankResult] = field(default_factory=list)
     error: str | None = None
     stderr_tail: str = ""
     exit_codes: list[int | None] = field(default_factory=list)
@@ -67,21 +71,21 @@ def _env(rank: int, world: int, port: int, device: str = "cpu") -> dict[str, str
     return env
 
 
-def _spawn(case: Case, workdir: Path, port: int) -> list[subprocess.Popen]:
-    case_file = workdir / "case.json"
-    case_file.write_text(json.dumps(case.to_dict()))
-    procs: list[subprocess.Popen] = []
+def _spawn(task: WorkerTask, files: CaseFiles, port: int) -> list[subprocess.Popen[bytes]]:
+    case = task.case
+    files.task.write_text(task.model_dump_json())
+    procs: list[subprocess.Popen[bytes]] = []
     for rank in range(case.world_size):
-        log = open(workdir / f"rank{rank}.log", "wb")
+        log = open(files.log(rank), "wb")
         group = {"process_group": 0 if rank == 0 else procs[0].pid}
-        procs.append(subprocess.Popen([sys.executable, "-m", "zbench.worker", str(case_file), str(workdir)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "zbench.worker", str(files.workdir)],
                                       env=_env(rank, case.world_size, port, case.device), stdin=subprocess.DEVNULL,
                                       stdout=log, stderr=subprocess.STDOUT, **group))
         log.close()
     return procs
 
 
-def dump_stacks(procs: list[subprocess.Popen]) -> None:
+def dump_stacks(procs: list[subprocess.Popen[bytes]]) -> None:
     """Ask every rank to print its Python stacks (workers register faulthandler on SIGUSR1) before the kill."""
     try:
         os.killpg(procs[0].pid, signal.SIGUSR1)
@@ -90,7 +94,7 @@ def dump_stacks(procs: list[subprocess.Popen]) -> None:
     time.sleep(STACK_DUMP_WAIT_S)
 
 
-def kill_group(procs: list[subprocess.Popen]) -> None:
+def kill_group(procs: list[subprocess.Popen[bytes]]) -> None:
     """SIGKILL every process of the case's group, then reap the ranks."""
     if procs:
         try:
@@ -114,9 +118,9 @@ def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _all_tails(workdir: Path, world: int) -> str:
+def _all_tails(files: CaseFiles, world: int) -> str:
     """Every rank's last lines: when no single rank explains the failure (a hang, a silent kill)."""
-    return "\n".join(f"--- rank {r} ---\n{_tail(workdir / f'rank{r}.log', STDERR_TAIL_LINES // world)}" for r in range(world))
+    return "\n".join(f"--- rank {r} ---\n{_tail(files.log(r), STDERR_TAIL_LINES // world)}" for r in range(world))
 
 
 def _describe_exit(code: int | None) -> str:
@@ -130,20 +134,20 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def run_case(case: Case, workdir: Path, *, on_progress: Callable[[str], None] = lambda _: None) -> Outcome:
+def run_case(task: WorkerTask, workdir: Path, *, on_progress: Callable[[str], None] = lambda _: None) -> Outcome:
     """Launch the case's ranks and classify the result; relaunch when the rendezvous port was taken meanwhile."""
     for attempt in range(PORT_ATTEMPTS):
-        attempt_dir = workdir / f"attempt{attempt}"
-        outcome = _run_once(case, attempt_dir, on_progress)
+        outcome = _run_once(task, CaseFiles(workdir / f"attempt{attempt}"), on_progress)
         if outcome.status != "error" or "address already in use" not in outcome.stderr_tail.lower():
             return outcome
     return outcome
 
 
-def _run_once(case: Case, workdir: Path, on_progress: Callable[[str], None]) -> Outcome:
-    workdir.mkdir(parents=True, exist_ok=True)
+def _run_once(task: WorkerTask, files: CaseFiles, on_progress: Callable[[str], None]) -> Outcome:
+    case = task.case
+    files.workdir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    procs = _spawn(case, workdir, free_port())
+    procs = _spawn(task, files, free_port())
     timed_out = False
     first_failure_at: float | None = None
     died_before_kill: dict[int, int] = {}  # rank -> exit code, for ranks that ended on their own
@@ -162,17 +166,17 @@ def _run_once(case: Case, workdir: Path, on_progress: Callable[[str], None]) -> 
                 first_failure_at = first_failure_at or now
                 if now - first_failure_at > PEER_GRACE_S:
                     break
-            progress = workdir / "progress"
-            on_progress(f"step {progress.read_text()}" if progress.exists() else "starting ranks")
+            step = files.read_progress()
+            on_progress(f"step {step}" if step else "starting ranks")
             time.sleep(POLL_S)
     finally:
         kill_group(procs)
-    outcome = _classify(case, workdir, procs, timed_out, time.monotonic() - start, died_before_kill)
+    outcome = _classify(case, files, procs, timed_out, time.monotonic() - start, died_before_kill)
     outcome.pids = [p.pid for p in procs]
     return outcome
 
 
-def _classify(case: Case, workdir: Path, procs: list[subprocess.Popen], timed_out: bool, wall_s: float,
+def _classify(case: Case, files: CaseFiles, procs: list[subprocess.Popen[bytes]], timed_out: bool, wall_s: float,
               died_before_kill: dict[int, int]) -> Outcome:
     """ok, oom, timeout or error, and which rank to blame.
 
@@ -182,44 +186,46 @@ def _classify(case: Case, workdir: Path, procs: list[subprocess.Popen], timed_ou
     group is the cause, ahead of the peers' errors.
     """
     codes = [p.returncode for p in procs]
-    ranks, errors = [], []
+    ranks: list[RankResult] = []
+    timed_errors: list[tuple[int, RankError]] = []
     for r in range(case.world_size):
-        ok, err = workdir / f"rank{r}.json", workdir / f"rank{r}.error.json"
-        if ok.exists():
-            ranks.append(json.loads(ok.read_text()))
-        if err.exists():
-            errors.append({**json.loads(err.read_text()), "_mtime": err.stat().st_mtime_ns})
-    errors.sort(key=lambda e: e["_mtime"])  # the first rank to fail is the cause; peers fail because it died
-    error_ranks = {e["rank"] for e in errors}
-    finished = {r["rank"] for r in ranks}
+        if files.result(r).exists():
+            ranks.append(RankResult.model_validate_json(files.result(r).read_text()))
+        if files.error(r).exists():
+            timed_errors.append((files.error(r).stat().st_mtime_ns,
+                                 RankError.model_validate_json(files.error(r).read_text())))
+    # the first rank to fail is the cause; peers fail because it died
+    errors = [e for _, e in sorted(timed_errors, key=lambda pair: pair[0])]
+    error_ranks = {e.rank for e in errors}
+    finished = {r.rank for r in ranks}
     signalled = [r for r, c in sorted(died_before_kill.items()) if c < 0 and r not in error_ranks | finished]
-    failing_rank = errors[0]["rank"] if errors else next((r for r, c in enumerate(codes) if c not in (0, None)), 0)
-    tail = _tail(workdir / f"rank{failing_rank}.log") if errors and not signalled else _all_tails(workdir, case.world_size)
+    failing_rank = errors[0].rank if errors else next((r for r, c in enumerate(codes) if c not in (0, None)), 0)
+    tail = _tail(files.log(failing_rank)) if errors and not signalled else _all_tails(files, case.world_size)
     outcome = Outcome(status="ok", ranks=ranks, exit_codes=codes, wall_s=wall_s, stderr_tail=tail)
     if timed_out:
         outcome.status = "timeout"
-        step = (workdir / "progress").read_text() if (workdir / "progress").exists() else "before the first step"
+        step = files.read_progress() or "before the first step"
         outcome.error = f"timed out after {case.timeout_s:g} s (at step {step}); process group killed"
-    elif any(e["kind"] == "oom" for e in errors):
+    elif any(e.kind == "oom" for e in errors):
         outcome.status = "oom"
-        outcome.error = next(e for e in errors if e["kind"] == "oom")["message"]
+        outcome.error = next(e for e in errors if e.kind == "oom").message
     elif signalled:
         rank = signalled[0]
         outcome.status = "error"
         outcome.error = f"rank {rank} {_describe_exit(died_before_kill[rank])} without a result"
     elif errors:
         outcome.status = "error"
-        outcome.error = f"rank {errors[0]['rank']}: {errors[0]['message']}"
+        outcome.error = f"rank {errors[0].rank}: {errors[0].message}"
     elif len(ranks) == case.world_size:
         # every rank handed back its results, then one failed while shutting down: the measurements stand,
         # the crash is kept as a warning (it is the implementation's bug, not the harness's)
         outcome.warnings = [f"rank {r} {_describe_exit(c)} after writing its results (during shutdown)"
                             for r, c in enumerate(codes) if c != 0]
         if outcome.warnings:
-            outcome.stderr_tail = _all_tails(workdir, case.world_size)
+            outcome.stderr_tail = _all_tails(files, case.world_size)
     elif any(c != 0 for c in codes) or len(ranks) != case.world_size:
         outcome.status = "error"
         outcome.error = f"rank {failing_rank} {_describe_exit(codes[failing_rank])} without a result"
-    if outcome.status == "ok" and (workdir / "params.pt").exists():
-        outcome.params_path = workdir / "params.pt"
+    if outcome.status == "ok" and files.params.exists():
+        outcome.params_path = files.params
     return outcome

@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from zbench import registry
+from zbench.case import Case
 from zbench.errors import UsageError
 from zbench.formulas import placement_for
 
@@ -28,9 +28,9 @@ HEADROOM = 1.10
 HEADROOM_BYTES = 64 * 2**20
 
 
-def needed_bytes(case) -> int:
+def needed_bytes(case: Case) -> int:
     """Bytes a case writes under ``nvme_dir``: the formulas' disk share per rank, times its ranks, with headroom."""
-    disk = placement_for(case, registry.resolve(case.implementation).capabilities)
+    disk = placement_for(case)
     per_rank = sum(locs["disk"] for locs in disk.values())
     return int(per_rank * case.world_size * HEADROOM) + HEADROOM_BYTES
 
@@ -56,7 +56,7 @@ def check_directory(nvme_dir: str | None, needed: int, *, what: str) -> None:
                          f"{needed / 2**30:.2f} GiB for its offloaded state")
 
 
-def check_suite(cases, nvme_dir: str | None) -> None:
+def check_suite(cases: Sequence[Case], nvme_dir: str | None) -> None:
     """Up-front check for every NVMe case that will run; the largest need decides the room required."""
     nvme_cases = [c for c in cases if c.offload == "nvme" and c.skip_reason is None]
     if nvme_cases:
@@ -65,12 +65,13 @@ def check_suite(cases, nvme_dir: str | None) -> None:
 
 
 @contextmanager
-def case_directory(case, run_id: str) -> Iterator[str | None]:
+def case_directory(case: Case, run_id: str) -> Iterator[str | None]:
     """A fresh sub-directory of ``nvme_dir`` for one case (``None`` for cases that do not offload to NVMe)."""
     if case.offload != "nvme":
         yield None
         return
     check_directory(case.nvme_dir, needed_bytes(case), what=f"case {case.case_id}")
+    assert case.nvme_dir is not None  # checked just above
     path = Path(case.nvme_dir) / f"zbench-{run_id}-{case.case_id}"
     path.mkdir(parents=True, exist_ok=True)
     try:

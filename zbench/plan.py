@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from zbench.formulas import OFFLOAD_MODES, offload_supported, placement
-from zbench.models import GPTConfig
+from zbench.formulas import offload_supported, placement
+from zbench.values import OFFLOAD_MODES, STAGES
+from zbench.presets import GPTConfig
 
-STAGES = (0, 1, 2, 3)
+
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
 

@@ -4,7 +4,13 @@ An *implementation* is a factory: it says what it supports (``Capabilities``)
 and, on every rank, wraps a freshly built model into an ``Engine`` for one
 ``TrainSpec``. The harness owns seeds, data, timing, memory and communication
 measurement; an engine only trains and answers three questions (what is the
-loss, what are the full parameters, how many bytes do you hold).
+loss, what are the full parameters, how many bytes do you hold), may report a
+few figures of its own (``metrics``) and releases what it holds (``close``).
+``ImplementationBase`` and ``EngineBase`` supply the optional members.
+
+An implementation may import this module, ``zbench.values``, and the two
+helpers ``zbench.state_bytes`` and ``zbench.comm_labels``; nothing else of the
+harness (``tests/test_layers.py`` enforces it).
 
 Note: ``step`` returns this rank's *local* loss as a tensor rather than a
 group-averaged float so that the harness can average it across ranks outside
@@ -13,21 +19,20 @@ the timed region; a logging collective must not be billed to the engine.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-Precision = Literal["fp32", "bf16", "fp16"]
-Offload = Literal["none", "optimizer", "optimizer+params", "nvme"]
-Optimizer = Literal["adamw", "sgd"]
-DeviceKind = Literal["cpu", "cuda"]
+from zbench.values import CATEGORIES, LOCATIONS, Offload, OptimizerName, Precision
 
-#: Model-state categories reported by ``Engine.state_bytes``.
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights")
-#: Where a byte lives.
-LOCATIONS = ("device", "host", "disk")
+if TYPE_CHECKING:
+    from zbench.presets import GPTConfig
+
+__all__ = ["CATEGORIES", "LOCATIONS", "Capabilities", "Engine", "EngineBase", "Implementation",
+           "ImplementationBase", "MicroBatch", "TrainSpec"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ class TrainSpec:
 
     device: torch.device
     precision: Precision = "fp32"
-    optimizer: Optimizer = "adamw"
+    optimizer: OptimizerName = "adamw"
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -88,21 +93,21 @@ class TrainSpec:
     stage: int = 0
     offload: Offload = "none"
     nvme_dir: str | None = None
-    options: dict = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
     """Implementation-specific knobs from the suite (bucket sizes, prefetch, ...)."""
 
     @property
     def compute_dtype(self) -> torch.dtype:
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
 
-    def optimizer_class_and_kwargs(self) -> tuple[type[torch.optim.Optimizer], dict]:
+    def optimizer_class_and_kwargs(self) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
         """The torch optimizer class and its arguments (for wrappers such as ``ZeroRedundancyOptimizer``)."""
         if self.optimizer == "adamw":
             return torch.optim.AdamW, dict(lr=self.lr, betas=self.betas, eps=self.eps,
                                            weight_decay=self.weight_decay, foreach=False)
         return torch.optim.SGD, dict(lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, foreach=False)
 
-    def make_optimizer(self, params) -> torch.optim.Optimizer:
+    def make_optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer:
         """The optimizer every implementation must use, so that all of them train identically."""
         cls, kwargs = self.optimizer_class_and_kwargs()
         return cls(params, **kwargs)
@@ -134,7 +139,24 @@ class Engine(Protocol):
         Measured from the tensors actually held, not computed from a formula.
         """
 
+    def metrics(self) -> dict[str, float]:
+        """Figures of the engine's own after a step (loss scale, skipped steps, ...); stored with each step."""
 
+    def close(self) -> None:
+        """Release what the engine holds outside memory (swap files, threads); called once, after training."""
+
+
+class EngineBase:
+    """Defaults for an engine's optional members: no metrics of its own, nothing to release."""
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        return None
+
+
+@runtime_checkable
 class Implementation(Protocol):
     """A named factory of engines. Built-ins live in ``implementations/``; users may name their own by import path."""
 
@@ -143,3 +165,14 @@ class Implementation(Protocol):
 
     def build(self, model: nn.Module, spec: TrainSpec, group: torch.distributed.ProcessGroup | None) -> Engine:
         """Wrap ``model`` (already on ``spec.device``, identical on every rank) for training."""
+
+    def expected_comm_elements(self, cfg: GPTConfig, world: int) -> int | None:
+        """Logical collective elements per step and rank this implementation should send for ``cfg`` at ``world``
+        ranks (ring algorithms, see ``zbench.measure.comms``), or ``None`` for the ZeRO formula of its stage."""
+
+
+class ImplementationBase:
+    """Default for an implementation's optional member: its traffic is what the ZeRO formulas say."""
+
+    def expected_comm_elements(self, cfg: GPTConfig, world: int) -> int | None:
+        return None

@@ -1,149 +1,334 @@
-"""Turn what the ranks of a case handed back into the case's stored record (design §4)."""
+"""The stored case record (design §4): one typed object from the runner to the store, the gate and the report.
+
+``CaseRecord`` is what ``results/<run-id>/cases/<case-id>.json`` holds. Every
+reader (equivalence, ``zbench check``, ``compare``, history, the report, the
+pandas loaders) goes through it, so a field has one name and one type
+everywhere; ``summary_row()`` is the one flat projection every table uses.
+
+Files written before schema 2 are upgraded on load by ``migrate`` (tested on a
+stored schema-1 run in ``tests/fixtures``).
+"""
 
 from __future__ import annotations
 
-import statistics
+import json
+from pathlib import Path
+from typing import Any
 
-from zbench import registry
-from zbench.formulas import placement_for
-from zbench.launch import Outcome
-from zbench.measure.comms import theory_elements as comm_theory
-from zbench.measure.flops import derived
-from zbench.models import get_config
-from zbench.measure.timing import summarize
-from zbench.protocol import CATEGORIES, LOCATIONS
-from zbench.suite import Case
+from pydantic import BaseModel, ConfigDict, Field
 
+from zbench.case import Case
+from zbench.values import FAILED_STATUSES, Status
 
-def skipped_record(case: Case) -> dict:
-    return {"case_id": case.case_id, "config": case.to_dict(), "status": "skipped", "skip_reason": case.skip_reason}
+SCHEMA_VERSION = 2
+
+StateBytes = dict[str, dict[str, int]]
+"""``{category: {location: bytes}}`` (``zbench.values.CATEGORIES`` x ``LOCATIONS``)."""
 
 
-def case_record(case: Case, outcome: Outcome, *, started_at: str, ended_at: str) -> dict:
-    record = {"case_id": case.case_id, "config": case.to_dict(), "status": outcome.status, "error": outcome.error,
-              "stderr_tail": outcome.stderr_tail if outcome.status != "ok" or outcome.warnings else "", "exit_codes": outcome.exit_codes,
-              "rank_pids": outcome.pids, "warnings": outcome.warnings,
-              "started_at": started_at, "ended_at": ended_at, "wall_s": outcome.wall_s}
-    if outcome.status == "ok":
-        record.update(_measurements(case, sorted(outcome.ranks, key=lambda r: r["rank"])))
-    return record
+class _Part(BaseModel):
+    """A piece of a stored record: validated on load, unknown keys from newer writers ignored."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
-def _measurements(case: Case, ranks: list[dict]) -> dict:
-    steps = []
-    for i in range(case.steps):
-        loss = sum(r["losses"][i] for r in ranks) / len(ranks)
-        seconds = max(r["step_times_s"][i] for r in ranks)
-        steps.append({"step": i, "loss": loss, "step_time_s": seconds, "warmup": i < case.warmup_steps,
-                      **ranks[0]["phases"][i], **ranks[0]["metrics"][i]})
-    stats = summarize([s["step_time_s"] for s in steps if not s["warmup"]])
-    tokens_per_step = case.global_batch * case.seq_len
-    params = ranks[0]["parameters"]
-    cfg = get_config(case.model)
-    comms = comm_summary(case, ranks, params)
-    phases = phase_summary(steps, ranks[0]["clock"])
-    comms["comm_to_compute"] = comm_to_compute(comms, phases)
-    return {
-        "throughput": {**derived(cfg, tokens_per_step=tokens_per_step, step_time_s=stats["median"], world=case.world_size,
-                                 precision=case.precision, gpu_name=ranks[0].get("gpu_name")),
-                       "gpu_name": ranks[0].get("gpu_name")} if stats["median"] else {},
-        "energy": energy_summary(ranks, case.steps, case.warmup_steps, tokens_per_step),
-        "time_to_target": time_to_target(steps, case.target_loss),
-        "model_parameters": params,
-        "steps": steps,
-        "summary": {"step_time_median_s": stats["median"], "step_time_iqr_s": stats["iqr"],
-                    "step_time_q1_s": stats["q1"], "step_time_q3_s": stats["q3"],
-                    "tokens_per_s": tokens_per_step / stats["median"] if stats["median"] else None,
-                    "tokens_per_s_per_rank": tokens_per_step / stats["median"] / case.world_size if stats["median"] else None,
-                    "final_loss": steps[-1]["loss"]},
-        "memory": {"kind": ranks[0]["memory"]["kind"], "peak_bytes": max(r["memory"]["bytes"] for r in ranks),
-                   "per_rank": [r["memory"] for r in ranks]},
-        "model_state": model_state(case, ranks),
-        "comms": comms,
-        "phases": phases,
-    }
+class StepSample(_Part):
+    """One training step: the loss averaged over ranks, the slowest rank's time, rank 0's phase split."""
+
+    step: int
+    loss: float
+    step_time_s: float
+    warmup: bool
+    device_step_s: float | None = None
+    forward_s: float | None = None
+    backward_s: float | None = None
+    optimizer_s: float | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """What the engine reported after the step (e.g. ``loss_scale``)."""
 
 
-def comm_summary(case: Case, ranks: list[dict], params: int) -> dict:
-    """Per step and rank: collectives by kind, their logical volume, and theory (design §5)."""
-    timed = [i for i in range(case.steps) if i >= case.warmup_steps]
-    busiest = max(ranks, key=lambda r: sum(e["elements"] for i in timed for e in r["comms"][i]))
-    per_step = [sum(e["elements"] for e in busiest["comms"][i]) for i in timed]
-    median = sorted(per_step)[len(per_step) // 2] if per_step else 0
-    by_op: dict[str, dict] = {}
-    last = busiest["comms"][timed[-1]] if timed else []
-    for e in last:
-        slot = by_op.setdefault(f"{e['op']} ({e['dtype']})", {"count": 0, "elements": 0, "bytes": 0})
-        for k in ("count", "elements", "bytes"):
-            slot[k] += e[k]
-    expected = ranks[0]["expected_comm_elements"]
-    design = comm_theory(params, case.stage)
-    bytes_per_step = sum(v["bytes"] for v in by_op.values())
-    bandwidth = min((r["bus_bandwidth_bytes_per_s"] for r in ranks if r.get("bus_bandwidth_bytes_per_s")), default=None)
-    return {"elements_per_step": median, "bytes_per_step": bytes_per_step,
-            "per_step_elements": per_step, "by_op": by_op,
-            "expected_elements": expected, "design_elements": design,
-            "error_rel": (median - expected) / expected if expected else None,
-            "bus_bandwidth_bytes_per_s": bandwidth,
-            "est_time_s": bytes_per_step / bandwidth if bandwidth else None}
+class StepTimeSummary(_Part):
+    """Statistics of the timed (post-warm-up) steps."""
+
+    step_time_median_s: float | None = None
+    step_time_iqr_s: float | None = None
+    step_time_q1_s: float | None = None
+    step_time_q3_s: float | None = None
+    tokens_per_s: float | None = None
+    tokens_per_s_per_rank: float | None = None
+    final_loss: float | None = None
 
 
-def phase_summary(steps: list[dict], clock: str) -> dict:
-    """Median forward / backward / optimizer seconds over the timed steps (rank 0, see zbench.measure.phases)."""
-    timed = [s for s in steps if not s["warmup"]]
-    out: dict = {"clock": clock}
-    for key in ("device_step_s", "forward_s", "backward_s", "optimizer_s"):
-        values = [s[key] for s in timed if s.get(key) is not None]
-        out[key] = statistics.median(values) if values else None
+class RankMemory(_Part):
+    """One rank's peak memory over the training steps (see ``zbench.measure.memory``)."""
+
+    kind: str
+    """``cuda_allocated`` (the CUDA allocator's peak) or ``rss`` (peak resident set on CPU)."""
+    bytes: int
+    rss_bytes: int | None = None
+    since: str | None = None
+    cuda_reserved_bytes: int | None = None
+    alloc_retries: int | None = None
+    ooms: int | None = None
+
+
+class MemorySummary(_Part):
+    kind: str
+    peak_bytes: int
+    """The largest rank's peak: what must fit."""
+    per_rank: list[RankMemory] = Field(default_factory=list)
+
+
+class LocationTotal(_Part):
+    measured: int
+    predicted: float
+    error_rel: float | None = None
+
+
+class ModelState(_Part):
+    """Model-state bytes of the fullest rank by category and location, next to the formulas' placement."""
+
+    measured: StateBytes
+    predicted: dict[str, dict[str, float]] = Field(default_factory=dict)
+    by_location: dict[str, LocationTotal] = Field(default_factory=dict)
+    expected: dict[str, float] = Field(default_factory=dict)
+    per_rank: list[StateBytes] = Field(default_factory=list)
+    measured_total: int
+    expected_total: float
+    error_rel: float | None = None
+
+
+class OpVolume(_Part):
+    count: int
+    elements: int
+    bytes: int
+
+
+class CommSummary(_Part):
+    """Collectives per step and rank (logical ring volume), next to theory (design §5)."""
+
+    elements_per_step: int
+    bytes_per_step: int
+    per_step_elements: list[int] = Field(default_factory=list)
+    by_op: dict[str, OpVolume] = Field(default_factory=dict)
+    """``"all_reduce (float32)"`` -> volume in the last timed step."""
+    expected_elements: int
+    design_elements: int
+    error_rel: float | None = None
+    bus_bandwidth_bytes_per_s: float | None = None
+    est_time_s: float | None = None
+    comm_to_compute: float | None = None
+
+
+class PhaseSummary(_Part):
+    """Median forward / backward / optimizer seconds over the timed steps (rank 0)."""
+
+    clock: str
+    device_step_s: float | None = None
+    forward_s: float | None = None
+    backward_s: float | None = None
+    optimizer_s: float | None = None
+
+
+class Throughput(_Part):
+    model_flops_per_token: float | None = None
+    tflops_per_rank: float | None = None
+    peak_tflops: float | None = None
+    mfu: float | None = None
+    gpu_name: str | None = None
+
+
+class NvmlSummary(_Part):
+    """One rank's GPU as nvml saw it (``available`` False with the ``reason`` on CPU or without nvml)."""
+
+    available: bool
+    reason: str | None = None
+    interval_s: float | None = None
+    samples: int | None = None
+    peak_used_bytes: int | None = None
+    mean_utilization_pct: float | None = None
+    mean_power_w: float | None = None
+    energy_j: float | None = None
+    energy_timed_j: float | None = None
+    energy_source: str | None = None
+    timeline: list[list[float]] = Field(default_factory=list)
+    """``[seconds, used bytes, utilisation %, watts]`` rows, at most ~200."""
+
+
+class EnergySummary(_Part):
+    available: bool
+    reason: str | None = None
+    per_rank: list[NvmlSummary] = Field(default_factory=list)
+    peak_used_bytes: int | None = None
+    energy_j: float | None = None
+    energy_timed_j: float | None = None
+    energy_per_step_j: float | None = None
+    energy_per_token_j: float | None = None
+
+
+class TimeToTarget(_Part):
+    target_loss: float
+    reached: bool
+    steps: int | None = None
+    seconds: float | None = None
+
+
+class Equivalence(_Part):
+    """Does the case train like DDP? The differences, the tolerance, the verdict and why."""
+
+    equivalent: bool
+    reason: str | None = None
+    reference_case: str | None = None
+    tolerance_rel: float | None = None
+    max_abs_loss_diff: float | None = None
+    max_rel_loss_diff: float | None = None
+    max_abs_param_diff: float | None = None
+    max_rel_param_diff: float | None = None
+    worst_parameter: str | None = None
+    worst_parameter_rel_diff: float | None = None
+
+
+class SummaryRow(BaseModel):
+    """One case in one flat row: what every table shows and what ``--json`` and ``store.load_cases`` emit."""
+
+    case_id: str
+    model: str
+    implementation: str
+    stage: int
+    world_size: int
+    precision: str
+    offload: str
+    device: str
+    status: Status
+    step_time_median_s: float | None
+    step_time_iqr_s: float | None
+    ratio_to_ddp: float | None
+    tokens_per_s: float | None
+    peak_memory_bytes: int | None
+    model_state_bytes: int | None
+    expected_model_state_bytes: float | None
+    max_rel_loss_diff: float | None
+    max_rel_param_diff: float | None
+    equivalent: bool | None
+    error: str | None
+
+
+class CaseRecord(_Part):
+    """A case as it ended: its configuration, status, every step, and the figures derived from them."""
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str | None = None
+    config: Case
+    status: Status
+    skip_reason: str | None = None
+    error: str | None = None
+    stderr_tail: str = ""
+    warnings: list[str] = Field(default_factory=list)
+    exit_codes: list[int | None] = Field(default_factory=list)
+    rank_pids: list[int] = Field(default_factory=list)
+    started_at: str | None = None
+    ended_at: str | None = None
+    wall_s: float | None = None
+    model_parameters: int | None = None
+    steps: list[StepSample] = Field(default_factory=list)
+    summary: StepTimeSummary = Field(default_factory=StepTimeSummary)
+    memory: MemorySummary | None = None
+    model_state: ModelState | None = None
+    comms: CommSummary | None = None
+    phases: PhaseSummary | None = None
+    throughput: Throughput | None = None
+    energy: EnergySummary | None = None
+    time_to_target: TimeToTarget | None = None
+    equivalence: Equivalence | None = None
+    ratio_to_ddp: float | None = None
+    """Median step time over the DDP reference's, same run."""
+    params_file: str | None = None
+    """Final parameters (relative to the run directory) while they are kept; see ``Case.keep_params``."""
+
+    @property
+    def case_id(self) -> str:
+        return self.config.case_id
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def equivalent(self) -> bool | None:
+        return None if self.equivalence is None else self.equivalence.equivalent
+
+    @property
+    def failed(self) -> bool:
+        """Did not run to the end, or ran and did not train like DDP."""
+        return self.status in FAILED_STATUSES or (self.ok and not self.equivalent)
+
+    @property
+    def step_time_median_s(self) -> float | None:
+        return self.summary.step_time_median_s
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return None if self.memory is None else self.memory.peak_bytes
+
+    @property
+    def model_state_bytes(self) -> int | None:
+        return None if self.model_state is None else self.model_state.measured_total
+
+    def timed_step_times(self) -> list[float]:
+        """Every post-warm-up step time: the samples the regression gate tests."""
+        return [s.step_time_s for s in self.steps if not s.warmup]
+
+    def losses(self) -> list[float]:
+        return [s.loss for s in self.steps]
+
+    def summary_row(self) -> SummaryRow:
+        """The flat per-case figures every table shows (compare, ``--json``, pandas, the console summary)."""
+        c, eq, ms = self.config, self.equivalence, self.model_state
+        return SummaryRow(
+            case_id=self.case_id, model=c.model, implementation=c.implementation, stage=c.stage,
+            world_size=c.world_size, precision=c.precision, offload=c.offload, device=c.device, status=self.status,
+            step_time_median_s=self.summary.step_time_median_s, step_time_iqr_s=self.summary.step_time_iqr_s,
+            ratio_to_ddp=self.ratio_to_ddp, tokens_per_s=self.summary.tokens_per_s, peak_memory_bytes=self.peak_bytes,
+            model_state_bytes=None if ms is None else ms.measured_total,
+            expected_model_state_bytes=None if ms is None else ms.expected_total,
+            max_rel_loss_diff=None if eq is None else eq.max_rel_loss_diff,
+            max_rel_param_diff=None if eq is None else eq.max_rel_param_diff,
+            equivalent=None if eq is None else eq.equivalent, error=self.error or self.skip_reason)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        data = self.model_dump(mode="json")
+        data["config"] = self.config.to_json_dict()
+        return {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "case_id": self.case_id, **data}
+
+    @classmethod
+    def from_json_dict(cls, data: dict[str, Any]) -> CaseRecord:
+        return cls.model_validate(migrate(data))
+
+    @classmethod
+    def read(cls, path: Path) -> CaseRecord:
+        return cls.from_json_dict(json.loads(Path(path).read_text()))
+
+
+_PHASE_KEYS = ("device_step_s", "forward_s", "backward_s", "optimizer_s")
+_STEP_KEYS = ("step", "loss", "step_time_s", "warmup", *_PHASE_KEYS, "metrics")
+
+
+def migrate(data: dict[str, Any]) -> dict[str, Any]:
+    """Upgrade a stored record to the current schema (a no-op for current files).
+
+    Schema 1 merged the engine's per-step metrics into each step's keys, stored
+    options as a mapping with the case id inside the config, and had no
+    capabilities; its other fields keep their names.
+    """
+    version = data.get("schema_version", 1)
+    if version > SCHEMA_VERSION:
+        raise ValueError(f"record schema {version} is newer than this zbench understands ({SCHEMA_VERSION}); "
+                         "upgrade zbench")
+    if version == SCHEMA_VERSION:
+        return data
+    out = dict(data)
+    out["steps"] = [{**{k: v for k, v in s.items() if k in _STEP_KEYS},
+                     "metrics": {k: v for k, v in s.items() if k not in _STEP_KEYS}} for s in data.get("steps") or []]
+    out["summary"] = data.get("summary") or {}
+    out["schema_version"] = SCHEMA_VERSION
     return out
-
-
-def comm_to_compute(comms: dict, phases: dict) -> float | None:
-    """Estimated communication time per step (volume / probed bandwidth) over forward + backward time."""
-    compute = (phases.get("forward_s") or 0.0) + (phases.get("backward_s") or 0.0)
-    return comms["est_time_s"] / compute if comms.get("est_time_s") is not None and compute > 0 else None
-
-
-def energy_summary(ranks: list[dict], steps: int, warmup_steps: int, tokens_per_step: int) -> dict:
-    """nvml figures per rank; energy per step and per token over the timed steps, summed over ranks (all GPUs)."""
-    nvml = [r.get("nvml") or {"available": False} for r in ranks]
-    if not all(n.get("available") for n in nvml):
-        return {"available": False, "reason": next((n.get("reason") for n in nvml if not n.get("available")), "")}
-    energy = [n["energy_j"] for n in nvml]
-    timed = [n.get("energy_timed_j") for n in nvml]
-    total = sum(energy) if all(e is not None for e in energy) else None
-    timed_total = sum(timed) if all(e is not None for e in timed) else None
-    timed_steps = steps - warmup_steps
-    return {"available": True, "per_rank": nvml, "peak_used_bytes": max(n["peak_used_bytes"] or 0 for n in nvml),
-            "energy_j": total, "energy_timed_j": timed_total,
-            "energy_per_step_j": timed_total / timed_steps if timed_total is not None else None,
-            "energy_per_token_j": timed_total / (timed_steps * tokens_per_step) if timed_total is not None else None}
-
-
-def time_to_target(steps: list[dict], target: float | None) -> dict | None:
-    """The first step whose loss reached the suite's ``target_loss``, and the training time until then."""
-    if target is None:
-        return None
-    for s in steps:
-        if s["loss"] <= target:
-            return {"target_loss": target, "reached": True, "steps": s["step"] + 1,
-                    "seconds": sum(x["step_time_s"] for x in steps[: s["step"] + 1])}
-    return {"target_loss": target, "reached": False, "steps": None, "seconds": None}
-
-
-def model_state(case: Case, ranks: list[dict]) -> dict:
-    """Measured bytes (the fullest rank) by category and location next to the formulas' placement (design §5)."""
-    per_rank = [r["state_bytes"] for r in ranks]
-    fullest = max(per_rank, key=lambda s: sum(sum(v.values()) for v in s.values()))
-    measured = {c: {loc: fullest.get(c, {}).get(loc, 0) for loc in LOCATIONS} for c in CATEGORIES}
-    predicted = placement_for(case, registry.resolve(case.implementation).capabilities)
-    by_location = {loc: {"measured": sum(measured[c][loc] for c in CATEGORIES),
-                         "predicted": sum(predicted[c][loc] for c in CATEGORIES)} for loc in LOCATIONS}
-    for v in by_location.values():
-        v["error_rel"] = (v["measured"] - v["predicted"]) / v["predicted"] if v["predicted"] else None
-    measured_total = sum(v["measured"] for v in by_location.values())
-    expected_total = sum(v["predicted"] for v in by_location.values())
-    return {"measured": measured, "predicted": predicted, "by_location": by_location,
-            "expected": {c: sum(predicted[c].values()) for c in CATEGORIES}, "per_rank": per_rank,
-            "measured_total": measured_total, "expected_total": expected_total,
-            "error_rel": (measured_total - expected_total) / expected_total if expected_total else None}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from implementations import BUILTIN
+from zbench.implementations import BUILTIN
 from zbench.protocol import Implementation
 
 
@@ -28,8 +28,9 @@ def resolve(name: str) -> Implementation:
     except (ImportError, AttributeError) as exc:
         raise LookupError(f"cannot import implementation {name!r} ({target}): {exc}") from None
     obj = obj() if isinstance(obj, type) else obj
-    for attribute in ("name", "capabilities", "build"):
-        if not hasattr(obj, attribute):
-            raise LookupError(f"implementation {name!r} ({target}) has no {attribute!r}; "
-                              "see zbench.protocol.Implementation")
-    return obj
+    missing = [a for a in ("name", "capabilities", "build", "expected_comm_elements") if not hasattr(obj, a)]
+    if missing:
+        raise LookupError(f"implementation {name!r} ({target}) has no {', '.join(map(repr, missing))}; "
+                          "see zbench.protocol.Implementation (zbench.protocol.ImplementationBase supplies "
+                          "expected_comm_elements)")
+    return obj  # type: ignore[no-any-return]  # checked member by member above

@@ -13,9 +13,12 @@ from __future__ import annotations
 import hashlib
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from scipy.stats import mannwhitneyu
 
+from zbench.record import CaseRecord
+from zbench.run_info import RunInfo
 from zbench.store import RunDir, run_dirs
 
 
@@ -60,21 +63,17 @@ class CheckResult:
     def verdict(self) -> str:
         return "fail" if self.failed else "pass"
 
-    def as_json(self) -> dict:
+    def as_json(self) -> dict[str, object]:
         return {"verdict": self.verdict, "candidate": self.candidate, "baseline": self.baseline,
                 "thresholds": asdict(self.thresholds), "compared_cases": self.compared,
                 "unmatched_cases": self.unmatched, "findings": [asdict(f) for f in self.findings]}
 
 
-def machine_fingerprint(run_info: dict) -> str:
+def machine_fingerprint(info: RunInfo) -> str:
     """Host, CPUs and GPUs: baselines only count on the machine that made them."""
-    env = run_info.get("environment") or {}
-    key = "|".join(str(env.get(k)) for k in ("host", "cpu_count", "gpus"))
+    env = info.environment
+    key = "|".join(str(v) for v in (env.host, env.cpu_count, env.gpus))
     return hashlib.sha1(key.encode()).hexdigest()[:12]
-
-
-def timed_samples(case: dict) -> list[float]:
-    return [s["step_time_s"] for s in case.get("steps") or [] if not s.get("warmup")]
 
 
 def compare_times(base: list[float], cand: list[float], t: Thresholds) -> tuple[str | None, float, float]:
@@ -95,57 +94,61 @@ def compare_bytes(base: float, cand: float, t: Thresholds) -> tuple[str | None, 
     return ("regression" if cand > base else "improvement"), change
 
 
-def _case_findings(case_id: str, base: dict, cand: dict, t: Thresholds) -> list[Finding]:
-    if cand["status"] != "ok":
-        return [Finding(case_id, "status", "failure", base["status"], cand["status"], detail=cand.get("error") or "")]
-    eq = cand.get("equivalence") or {}
-    if not eq.get("equivalent"):
-        return [Finding(case_id, "equivalence", "failure", "equivalent", "not equivalent", detail=eq.get("reason", ""))]
-    if base["status"] != "ok":
+def _case_findings(base: CaseRecord | None, cand: CaseRecord, t: Thresholds) -> list[Finding]:
+    """What changed for one case; ``base`` is ``None`` when the baseline does not have it."""
+    case_id = cand.case_id
+    if not cand.ok:
+        return [Finding(case_id, "status", "failure", base.status if base else "absent", cand.status,
+                        detail=cand.error or "")]
+    if not cand.equivalent:
+        return [Finding(case_id, "equivalence", "failure", "equivalent", "not equivalent",
+                        detail=cand.equivalence.reason or "" if cand.equivalence else "not checked")]
+    if base is None or not base.ok:
         return []
     out = []
-    kind, change, p = compare_times(timed_samples(base), timed_samples(cand), t)
+    kind, change, p = compare_times(base.timed_step_times(), cand.timed_step_times(), t)
     if kind:
-        out.append(Finding(case_id, "step_time", kind, base["summary"]["step_time_median_s"],
-                           cand["summary"]["step_time_median_s"], change, p))
-    for metric, get in (("peak_memory", lambda c: c["memory"]["peak_bytes"]),
-                        ("model_state", lambda c: c["model_state"]["measured_total"])):
-        kind, change = compare_bytes(get(base), get(cand), t)
+        out.append(Finding(case_id, "step_time", kind, base.step_time_median_s, cand.step_time_median_s, change, p))
+    for metric, before, after in (("peak_memory", base.peak_bytes, cand.peak_bytes),
+                                  ("model_state", base.model_state_bytes, cand.model_state_bytes)):
+        if before is None or after is None:
+            continue
+        kind, change = compare_bytes(before, after, t)
         if kind:
-            out.append(Finding(case_id, metric, kind, get(base), get(cand), change))
+            out.append(Finding(case_id, metric, kind, before, after, change))
     return out
 
 
 def check(candidate: RunDir, baseline: RunDir, thresholds: Thresholds) -> CheckResult:
     """Compare every candidate case with the baseline case of the same configuration."""
     result = CheckResult(candidate.run_id, baseline.run_id, thresholds)
-    base_cases = {c["case_id"]: c for c in baseline.cases()}
+    base_cases = {c.case_id: c for c in baseline.cases()}
     for cand in candidate.cases():
-        if cand["status"] == "skipped":
+        if cand.status == "skipped":
             continue
-        base = base_cases.get(cand["case_id"])
+        base = base_cases.get(cand.case_id)
         if base is None:
-            result.unmatched.append(cand["case_id"])
-            if cand["status"] != "ok" or not (cand.get("equivalence") or {}).get("equivalent"):
-                result.findings += _case_findings(cand["case_id"], {"status": "absent"}, cand, thresholds)
-            continue
-        result.compared += 1
-        result.findings += _case_findings(cand["case_id"], base, cand, thresholds)
+            result.unmatched.append(cand.case_id)
+        else:
+            result.compared += 1
+        result.findings += _case_findings(base, cand, thresholds)
     return result
 
 
 def thresholds_for(run: RunDir, **overrides: float | None) -> Thresholds:
     """The suite's own thresholds (its ``regression:`` block), overridden by command-line flags."""
-    from_suite = ((run.run_info().get("suite") or {}).get("config") or {}).get("regression") or {}
-    values = {**asdict(Thresholds()), **from_suite, **{k: v for k, v in overrides.items() if v is not None}}
+    values = {**asdict(Thresholds()), **run.info().suite.regression,
+              **{k: v for k, v in overrides.items() if v is not None}}
     return Thresholds(**values)
 
 
-def latest_baseline(results, candidate: RunDir) -> RunDir | None:
+def same_suite_and_machine(a: RunInfo, b: RunInfo) -> bool:
+    return a.suite.name == b.suite.name and machine_fingerprint(a) == machine_fingerprint(b)
+
+
+def latest_baseline(results: Path, candidate: RunDir) -> RunDir | None:
     """The newest earlier run of the same suite on the same machine."""
-    info = candidate.run_info()
-    fp, name, started = machine_fingerprint(info), (info.get("suite") or {}).get("name"), info.get("started_at", "")
-    runs = [r for r in run_dirs(results) if r.path != candidate.path]
-    same = [r for r in runs if machine_fingerprint(r.run_info()) == fp
-            and (r.run_info().get("suite") or {}).get("name") == name and r.run_info().get("started_at", "") <= started]
-    return max(same, key=lambda r: r.run_info().get("started_at", ""), default=None)
+    info = candidate.info()
+    same = [r for r in run_dirs(results) if r.path != candidate.path and same_suite_and_machine(r.info(), info)
+            and r.info().started_at <= info.started_at]
+    return max(same, key=lambda r: r.info().started_at, default=None)

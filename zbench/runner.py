@@ -5,37 +5,41 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, replace
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from zbench import environment, equivalence, nvme
+from zbench.aggregate import case_record, failed_record, skipped_record
+from zbench.atomic import move_into_place
+from zbench.case import Case
 from zbench.console import Progress
 from zbench.errors import UsageError
+from zbench.handoff import WorkerTask
 from zbench.launch import run_case
-from zbench.record import case_record, skipped_record
-from zbench.store import RunDir, RunLock, RunLocked, atomic_write_bytes, new_run_id, now
-from zbench.suite import Case, Suite
-
-FAILED = ("error", "oom", "timeout")
+from zbench.preflight import Suite
+from zbench.record import CaseRecord
+from zbench.run_info import RunInfo, SuiteInfo
+from zbench.store import RunDir, RunLock, RunLocked, new_run_id, now
 
 
 @dataclass
 class RunResult:
     run: RunDir
-    records: list[dict]
+    records: list[CaseRecord]
 
     @property
-    def failed(self) -> list[dict]:
+    def failed(self) -> list[CaseRecord]:
         """Cases that did not run to the end, or that did not train like DDP."""
-        return [r for r in self.records if r["status"] in FAILED
-                or (r["status"] == "ok" and not (r.get("equivalence") or {}).get("equivalent", False))]
+        return [r for r in self.records if r.failed]
 
 
 def prepare_run(results_root: Path, resume: str | None) -> RunDir:
     """The run directory to write into; fails early (before any work) when it cannot be written."""
     if resume is not None:
         run = RunDir(results_root, resume)
-        if not (run.path / "run.json").exists():
+        if not run.exists():
             raise UsageError(f"--resume {resume}: no such run under {results_root}")
         return run
     run = RunDir(results_root, new_run_id())
@@ -76,78 +80,108 @@ def run_suite(suite: Suite, *, results_root: Path, resume: str | None = None, pr
 
 
 def _run_cases(suite: Suite, run: RunDir, resume: str | None, progress: Progress) -> RunResult:
-    run.start({"suite": {"name": suite.config.name, "path": suite.path, "sha256": suite.sha256,
-                         "config": suite.config.model_dump()},
-               "environment": environment.collect(), "git_sha": environment.git_sha(),
-               "case_order": [c.case_id for c in suite.cases]})
-    stored = run.stored_case_ids() if resume else set()
-    records: dict[str, dict] = {r["case_id"]: r for r in run.cases()} if resume else {}
+    run.start(RunInfo(run_id=run.run_id, environment=environment.collect(), git_sha=environment.git_sha(),
+                      suite=SuiteInfo(name=suite.config.name, path=suite.path, sha256=suite.sha256,
+                                      config=suite.config.model_dump(mode="json")),
+                      case_order=[c.case_id for c in suite.cases]))
+    records: dict[str, CaseRecord] = {r.case_id: r for r in run.cases()} if resume else {}
+    references = References(run, records.values())
     progress.start(run.run_id, run.path, len(suite.cases))
     for index, case in enumerate(suite.cases, 1):
-        if case.case_id in stored:
+        if case.case_id in records:
             progress.case_reused(index, case, records[case.case_id])
             continue
-        record = skipped_record(case) if case.skip_reason else _run_guarded(case, run, records, index, progress)
+        record = skipped_record(case) if case.skip_reason else _run_guarded(case, run, references, index, progress)
         run.write_case(record)
         records[case.case_id] = record
+        references.add(record)
         progress.case_done(index, case, record)
+    for record in references.release_params():
+        records[record.case_id] = record
     run.finish()
     ordered = [records[c.case_id] for c in suite.cases if c.case_id in records]
     progress.summary(ordered)
     return RunResult(run=run, records=ordered)
 
 
-def _run_guarded(case: Case, run: RunDir, records: dict[str, dict], index: int, progress: Progress) -> dict:
+class References:
+    """The DDP case of each case group, by ``Case.reference_key``, and the parameter files the verdicts need.
+
+    Note: a case's own final parameters are deleted as soon as its verdict is
+    stored; the reference's are needed by every later case of its group, so
+    they go when the run ends (kept when the suite sets ``keep_params``).
+    """
+
+    def __init__(self, run: RunDir, stored: Iterable[CaseRecord]) -> None:
+        self.run = run
+        self._by_key: dict[tuple[object, ...], CaseRecord] = {}
+        for record in stored:
+            self.add(record)
+
+    def add(self, record: CaseRecord) -> None:
+        if record.config.is_reference:
+            self._by_key[record.config.reference_key] = record
+
+    def find(self, case: Case) -> CaseRecord | None:
+        return self._by_key.get(case.reference_key)
+
+    def release_params(self) -> list[CaseRecord]:
+        """Delete the references' parameter files (unless kept); the records, rewritten without them."""
+        released = []
+        for key, record in self._by_key.items():
+            if record.params_file is not None and not record.config.keep_params:
+                (self.run.path / record.params_file).unlink(missing_ok=True)
+                record = record.model_copy(update={"params_file": None})
+                self.run.write_case(record)
+                self._by_key[key] = record
+                released.append(record)
+        return released
+
+
+def _run_guarded(case: Case, run: RunDir, references: References, index: int, progress: Progress) -> CaseRecord:
     """Run a case; a bug in the harness's own handling of it is recorded as that case's error, not a dead suite."""
     try:
-        return _run_one(case, run, records, index, progress)
+        return _run_one(case, run, references, index, progress)
     except OSError:
         raise  # the results cannot be stored (disk full, read-only): stop the run, not just this case
     except Exception as exc:
-        import traceback
-
-        return {**skipped_record(case), "status": "error", "skip_reason": None,
-                "error": f"harness error: {type(exc).__name__}: {exc}", "stderr_tail": traceback.format_exc()[-4000:]}
+        return failed_record(case, f"harness error: {type(exc).__name__}: {exc}",
+                             stderr_tail=traceback.format_exc()[-4000:])
 
 
-def _run_one(case: Case, run: RunDir, records: dict[str, dict], index: int, progress: Progress) -> dict:
+def _run_one(case: Case, run: RunDir, references: References, index: int, progress: Progress) -> CaseRecord:
     started_at, t0 = now(), time.monotonic()
     try:
         with nvme.case_directory(case, run.run_id) as swap_dir, \
                 tempfile.TemporaryDirectory(prefix=f"zbench-{case.case_id}-") as tmp:
-            return _launch(case, run, records, index, progress, swap_dir, Path(tmp), started_at, t0)
+            progress.case_started(index, case)
+            outcome = run_case(WorkerTask(case=case, swap_dir=swap_dir), Path(tmp),
+                               on_progress=lambda what: progress.case_update(index, case, what, time.monotonic() - t0))
+            record = case_record(case, outcome, started_at=started_at, ended_at=now())
+            if outcome.params_path is not None:
+                move_into_place(outcome.params_path, run.params_path(case.case_id))
+                record.params_file = str(run.params_path(case.case_id).relative_to(run.path))
     except UsageError as exc:  # the NVMe directory went away or filled up since the suite was checked
-        return {**skipped_record(case), "status": "error", "skip_reason": None, "error": str(exc),
-                "started_at": started_at, "ended_at": now()}
-
-
-def _launch(case: Case, run: RunDir, records: dict[str, dict], index: int, progress: Progress, swap_dir: str | None,
-            tmp: Path, started_at: str, t0: float) -> dict:
-    """Launch the case's ranks (pointed at its private NVMe directory, if any) and turn what they left into a record."""
-    progress.case_started(index, case)
-    launched = case if swap_dir is None else replace(case, nvme_dir=swap_dir)
-    outcome = run_case(launched, tmp, on_progress=lambda what: progress.case_update(index, case, what, time.monotonic() - t0))
-    record = case_record(case, outcome, started_at=started_at, ended_at=now())
-    if outcome.params_path is not None:
-        atomic_write_bytes(run.params_path(case.case_id), outcome.params_path.read_bytes())
-        record["params_file"] = str(run.params_path(case.case_id).relative_to(run.path))
-    if record["status"] == "ok":
-        _compare_with_reference(case, record, run, records)
+        return failed_record(case, str(exc), started_at=started_at, ended_at=now())
+    if record.ok:
+        _compare_with_reference(record, run, references.find(case) if not case.is_reference else record)
+    if record.params_file is not None and not case.is_reference and not case.keep_params:
+        (run.path / record.params_file).unlink(missing_ok=True)
+        record.params_file = None
     return record
 
 
-def _compare_with_reference(case: Case, record: dict, run: RunDir, records: dict[str, dict]) -> None:
-    reference = next((r for r in records.values() if r["config"]["implementation"] == "ddp"
-                      and Case.from_dict(r["config"]).reference_key == case.reference_key), None) if not case.is_reference else record
-    if reference is None or reference["status"] != "ok":
+def _compare_with_reference(record: CaseRecord, run: RunDir, reference: CaseRecord | None) -> None:
+    if reference is None or not reference.ok:
         why = "no DDP case with the same model, world size, precision and seed" if reference is None \
-            else f"the DDP reference {reference['case_id']} did not finish ({reference['status']})"
-        record["equivalence"] = {"equivalent": False, "reason": f"not checked: {why}"}
+            else f"the DDP reference {reference.case_id} did not finish ({reference.status})"
+        record.equivalence = equivalence.not_checked(why)
         return
-    ref_median = reference["summary"]["step_time_median_s"]
-    record["ratio_to_ddp"] = record["summary"]["step_time_median_s"] / ref_median if ref_median else None
-    record["equivalence"] = equivalence.verdict(
-        losses=[s["loss"] for s in record["steps"]], reference_losses=[s["loss"] for s in reference["steps"]],
-        params_path=run.path / record["params_file"] if "params_file" in record else None,
-        reference_params_path=run.path / reference["params_file"] if "params_file" in reference else None,
-        precision=case.precision, reference_case=reference["case_id"])
+    ref_median = reference.step_time_median_s
+    median = record.step_time_median_s
+    record.ratio_to_ddp = median / ref_median if median and ref_median else None
+    record.equivalence = equivalence.verdict(
+        losses=record.losses(), reference_losses=reference.losses(),
+        params_path=run.path / record.params_file if record.params_file else None,
+        reference_params_path=run.path / reference.params_file if reference.params_file else None,
+        precision=record.config.precision, reference_case=reference.case_id)

@@ -2,70 +2,31 @@
 
 Layout::
 
-    results/<run-id>/run.json              environment, suite, start/end
-    results/<run-id>/cases/<case-id>.json  one per case, written atomically when it ends
-    results/<run-id>/params/<case-id>.pt   final parameters, for equivalence checks
+    results/<run-id>/run.json              RunInfo: environment, suite, start/end
+    results/<run-id>/cases/<case-id>.json  CaseRecord: one per case, written atomically when it ends
+    results/<run-id>/params/<case-id>.pt   final parameters, while the equivalence check needs them
 
-Every JSON file carries ``schema_version``. Files are written to a temporary
-name in the same directory and renamed, so a reader (or a killed harness)
-never sees half a file.
+Every JSON file carries ``schema_version``; older files are upgraded as they
+are read (``zbench.record.migrate``). Files are written to a temporary name in
+the same directory and renamed, so a reader (or a killed harness) never sees
+half a file.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import secrets
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-SCHEMA_VERSION = 1
+from zbench.atomic import atomic_write_json
+from zbench.record import CaseRecord
+from zbench.run_info import RunInfo
 
-
-def _file_mode() -> int:
-    """The mode a plain ``open()`` would give a new file (mkstemp's 0600 honours no umask)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-_FILE_MODE = _file_mode()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(Path(path), json.dumps(obj, indent=1, default=str).encode())
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    import io
-
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    atomic_write_bytes(Path(path), buf.getvalue())
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text())
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def now() -> str:
@@ -84,6 +45,7 @@ class RunDir:
         self.root = Path(root)
         self.run_id = run_id
         self.path = self.root / run_id
+        self._info: RunInfo | None = None
 
     @property
     def cases_dir(self) -> Path:
@@ -93,41 +55,52 @@ class RunDir:
     def params_dir(self) -> Path:
         return self.path / "params"
 
+    @property
+    def info_path(self) -> Path:
+        return self.path / "run.json"
+
     def params_path(self, case_id: str) -> Path:
         return self.params_dir / f"{case_id}.pt"
 
     def case_path(self, case_id: str) -> Path:
         return self.cases_dir / f"{case_id}.json"
 
-    def start(self, run_info: dict) -> None:
+    def exists(self) -> bool:
+        return self.info_path.exists()
+
+    def start(self, info: RunInfo) -> None:
+        """Create the run (or, resuming, keep its header) and drop files a killed harness left half-written."""
         self.cases_dir.mkdir(parents=True, exist_ok=True)
         self.params_dir.mkdir(parents=True, exist_ok=True)
         for stale in [*self.cases_dir.glob(".*.tmp"), *self.params_dir.glob(".*.tmp")]:
-            stale.unlink()  # half-written by a harness that was killed; never a result
-        if not (self.path / "run.json").exists():
-            self.write_run({**run_info, "started_at": now()})
+            stale.unlink()
+        if not self.exists():
+            self.write_info(info.model_copy(update={"started_at": now()}))
 
-    def write_run(self, run_info: dict) -> None:
-        atomic_write_json(self.path / "run.json", {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, **run_info})
+    def write_info(self, info: RunInfo) -> None:
+        atomic_write_json(self.info_path, info.to_json_dict())
+        self._info = info
 
-    def run_info(self) -> dict:
-        return read_json(self.path / "run.json")
+    def info(self) -> RunInfo:
+        if self._info is None:
+            self._info = RunInfo.read(self.info_path)
+        return self._info
 
     def finish(self) -> None:
-        self.write_run({**self.run_info(), "ended_at": now()})
+        self.write_info(self.info().model_copy(update={"ended_at": now()}))
 
-    def write_case(self, result: dict) -> None:
-        atomic_write_json(self.case_path(result["case_id"]), {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, **result})
+    def write_case(self, record: CaseRecord) -> None:
+        atomic_write_json(self.case_path(record.case_id), record.model_copy(update={"run_id": self.run_id}).to_json_dict())
 
-    def cases(self) -> list[dict]:
-        return [read_json(p) for p in sorted(self.cases_dir.glob("*.json"))]
+    def cases(self) -> list[CaseRecord]:
+        return [CaseRecord.read(p) for p in sorted(self.cases_dir.glob("*.json"))]
 
     def stored_case_ids(self) -> set[str]:
         return {p.stem for p in self.cases_dir.glob("*.json")}
 
 
 def run_dirs(results: Path) -> Iterator[RunDir]:
-    """Every run under ``results`` (or ``results`` itself when it is one run's directory), oldest first."""
+    """Every run under ``results`` (or ``results`` itself when it is one run's directory), in directory order."""
     results = Path(results)
     if (results / "run.json").exists():
         yield RunDir(results.parent, results.name)
@@ -137,48 +110,43 @@ def run_dirs(results: Path) -> Iterator[RunDir]:
             yield RunDir(results, p.name)
 
 
+def runs_oldest_first(results: Path) -> list[RunDir]:
+    return sorted(run_dirs(results), key=lambda r: r.info().started_at)
+
+
 def latest_run(results: Path) -> RunDir | None:
-    runs = sorted(run_dirs(results), key=lambda r: r.run_info().get("started_at", ""))
+    runs = runs_oldest_first(results)
     return runs[-1] if runs else None
 
 
-CASE_COLUMNS = ("model", "implementation", "stage", "world_size", "precision", "offload", "device")
-
-
-def load_cases(results: Path):
-    """One row per case across every run under ``results``: config, status and summary figures."""
+def load_cases(results: Path) -> pd.DataFrame:
+    """One row per case across every run under ``results``: its ``summary_row()`` plus the run's commit and start."""
     import pandas as pd
 
     rows = []
     for run in run_dirs(results):
-        info = run.run_info()
+        info = run.info()
         for case in run.cases():
-            summary = case.get("summary") or {}
-            eq = case.get("equivalence") or {}
-            state = case.get("model_state") or {}
-            rows.append({
-                "run_id": run.run_id, "git_sha": info.get("git_sha"), "started_at": info.get("started_at"),
-                "case_id": case["case_id"], **{k: case["config"][k] for k in CASE_COLUMNS},
-                "status": case["status"], "step_time_median_s": summary.get("step_time_median_s"),
-                "step_time_iqr_s": summary.get("step_time_iqr_s"), "tokens_per_s": summary.get("tokens_per_s"),
-                "ratio_to_ddp": case.get("ratio_to_ddp"), "peak_memory_bytes": (case.get("memory") or {}).get("peak_bytes"),
-                "model_state_bytes": state.get("measured_total"), "expected_model_state_bytes": state.get("expected_total"),
-                "max_rel_loss_diff": eq.get("max_rel_loss_diff"), "max_rel_param_diff": eq.get("max_rel_param_diff"),
-                "equivalent": eq.get("equivalent"),
-            })
+            rows.append({"run_id": run.run_id, "git_sha": info.git_sha, "started_at": info.started_at,
+                         **case.summary_row().model_dump()})
     return pd.DataFrame(rows)
 
 
-def load_steps(results: Path):
-    """The tidy table: one row per (run, case, step) with loss, step time and whether it was warm-up."""
+STEP_IDENTITY = {"case_id", "model", "implementation", "stage", "world_size", "precision", "offload", "device",
+                 "status"}
+"""The columns of ``load_cases`` repeated on every row of ``load_steps``."""
+
+
+def load_steps(results: Path) -> pd.DataFrame:
+    """The tidy table: one row per (run, case, step) with loss, step time, phases, engine metrics and warm-up."""
     import pandas as pd
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for run in run_dirs(results):
         for case in run.cases():
-            for s in case.get("steps") or []:
-                rows.append({"run_id": run.run_id, "case_id": case["case_id"],
-                             **{k: case["config"][k] for k in CASE_COLUMNS}, "status": case["status"], **s})
+            ident = {"run_id": run.run_id, **case.summary_row().model_dump(include=STEP_IDENTITY)}
+            for s in case.steps:
+                rows.append({**ident, **s.model_dump(exclude={"metrics"}), **s.metrics})
     return pd.DataFrame(rows)
 
 
@@ -193,7 +161,7 @@ class RunLock:
         self.path = run.path / ".lock"
         self._fd: int | None = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -209,7 +177,7 @@ class RunLock:
         self._fd = fd
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self.path.unlink(missing_ok=True)

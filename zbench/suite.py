@@ -1,31 +1,26 @@
-"""Suite files: YAML (safe-loaded) validated into frozen config objects, expanded into cases.
+"""Suite files: YAML (safe-loaded) validated into frozen config objects. Parsing only.
 
 A suite is a set of axes (models × implementations × stages × world sizes ×
-precisions × offload modes) plus the training settings every case shares. Its
-cartesian product becomes ``Case`` objects; a combination an implementation
-does not support becomes a case that is *skipped* with the reason, never an
-error. Every case group (same model, world size, precision, ...) gets a DDP
-case, added if the suite does not list ``ddp``, because every case is checked
-against DDP.
+precisions × offload modes) plus the training settings every case shares.
+This module reads and validates it and nothing more: it imports no
+implementation and probes no device or directory (``tests/test_layers.py``
+holds it to that). ``zbench.preflight`` resolves the implementations, checks the
+machine and expands the axes into cases.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
-import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from zbench import nvme, registry
 from zbench.errors import UsageError
-from zbench.models import PRESETS, get_config
-
-REFERENCE = "ddp"
+from zbench.presets import PRESETS, get_config
+from zbench.values import Offload, OptimizerName, Precision
 
 
 def _as_list(value: Any) -> Any:
@@ -45,7 +40,7 @@ class _Frozen(BaseModel):
 class OptimizerConfig(_Frozen):
     """The optimizer every implementation in the suite uses."""
 
-    name: Literal["adamw", "sgd"] = "adamw"
+    name: OptimizerName = "adamw"
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     momentum: float = Field(0.0, ge=0, lt=1)
@@ -78,8 +73,8 @@ class SuiteConfig(_Frozen):
     models: Annotated[list[str], BeforeValidator(_as_list)] = Field(min_length=1)
     implementations: Annotated[list[ImplementationEntry], BeforeValidator(_implementation_entries)] = Field(min_length=1)
     world_sizes: Annotated[list[Annotated[int, Field(ge=1)]], BeforeValidator(_as_list)] = Field(min_length=1)
-    precisions: Annotated[list[Literal["fp32", "bf16", "fp16"]], BeforeValidator(_as_list)] = ["fp32"]
-    offload: Annotated[list[Literal["none", "optimizer", "optimizer+params", "nvme"]], BeforeValidator(_as_list)] = ["none"]
+    precisions: Annotated[list[Precision], BeforeValidator(_as_list)] = ["fp32"]
+    offload: Annotated[list[Offload], BeforeValidator(_as_list)] = ["none"]
     steps: int = Field(20, ge=1)
     warmup_steps: int = Field(3, ge=0)
     micro_batch: int = Field(4, ge=1)
@@ -93,6 +88,8 @@ class SuiteConfig(_Frozen):
     target_loss: float | None = Field(None, gt=0)
     """Record the steps and time each case needs to reach this loss (time to target)."""
     regression: RegressionConfig = RegressionConfig()
+    keep_params: bool = False
+    """Keep each case's final-parameter file after its equivalence verdict is stored (default: deleted)."""
 
     @field_validator("models")
     @classmethod
@@ -101,16 +98,6 @@ class SuiteConfig(_Frozen):
             if m not in PRESETS:
                 raise ValueError(f"unknown model {m!r}; allowed: {', '.join(PRESETS)}")
         return models
-
-    @field_validator("implementations")
-    @classmethod
-    def _known_implementations(cls, entries: list[ImplementationEntry]) -> list[ImplementationEntry]:
-        for e in entries:
-            try:
-                registry.resolve(e.name)
-            except LookupError as exc:
-                raise ValueError(str(exc)) from None
-        return entries
 
     @model_validator(mode="after")
     def _consistent(self) -> "SuiteConfig":
@@ -124,77 +111,12 @@ class SuiteConfig(_Frozen):
 
 
 @dataclass(frozen=True)
-class Case:
-    """One process group's worth of work: an implementation at one point of the suite's axes."""
+class SuiteFile:
+    """A validated suite and where it came from (``path`` is ``None`` for suites built from flags)."""
 
-    model: str
-    implementation: str
-    stage: int
-    world_size: int
-    precision: str
-    offload: str
-    device: str
-    steps: int
-    warmup_steps: int
-    micro_batch: int
-    grad_accum: int
-    seq_len: int
-    seed: int
-    timeout_s: float
-    optimizer: str
-    lr: float
-    weight_decay: float
-    momentum: float
-    grad_clip: float | None
-    options: tuple[tuple[str, Any], ...] = ()
-    nvme_dir: str | None = None
-    target_loss: float | None = None
-    skip_reason: str | None = None
-
-    @property
-    def case_id(self) -> str:
-        """A readable, filesystem-safe id unique within a run."""
-        impl = re.sub(r"[^A-Za-z0-9_.+-]", "_", self.implementation)
-        parts = [self.model, impl, f"s{self.stage}", f"w{self.world_size}", self.precision, self.offload.replace("+", "_")]
-        if self.options:
-            parts.append(hashlib.sha1(repr(self.options).encode()).hexdigest()[:6])
-        return "-".join(parts)
-
-    @property
-    def reference_key(self) -> tuple:
-        """Cases with the same key train the same thing and are compared with the same DDP case."""
-        return (self.model, self.world_size, self.precision, self.device, self.steps, self.micro_batch,
-                self.grad_accum, self.seq_len, self.seed, self.optimizer, self.lr, self.weight_decay,
-                self.momentum, self.grad_clip)
-
-    @property
-    def is_reference(self) -> bool:
-        return self.implementation == REFERENCE
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.world_size
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Case":
-        """The inverse of ``to_dict`` (reads a stored case's ``config``)."""
-        fields = {k: v for k, v in d.items() if k != "case_id"}
-        fields["options"] = tuple(sorted((fields.get("options") or {}).items()))
-        return cls(**fields)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["options"] = dict(self.options)
-        d["case_id"] = self.case_id
-        return d
-
-
-@dataclass(frozen=True)
-class Suite:
     path: str | None
     sha256: str
     config: SuiteConfig
-    cases: tuple[Case, ...]
 
 
 def format_validation_error(source: str, exc: ValidationError) -> str:
@@ -224,63 +146,8 @@ def _allowed_keys(loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
-def resolve_device(requested: str) -> str:
-    """``auto`` becomes ``cuda`` where a GPU is present, else ``cpu``; ``cuda`` without one is bad input."""
-    import torch
-
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise UsageError("device 'cuda' requested but no CUDA GPU is available (torch.cuda.is_available() is False); "
-                         "use device: cpu or auto")
-    return requested
-
-
-def check_world_sizes(device: str, world_sizes: list[int], source: str) -> None:
-    import torch
-
-    if device == "cuda":
-        have = torch.cuda.device_count()
-        too_big = [w for w in world_sizes if w > have]
-        if too_big:
-            raise UsageError(f"{source}: world size {max(too_big)} needs {max(too_big)} GPUs but {have} present")
-
-
-def expand(config: SuiteConfig) -> list[Case]:
-    """The cartesian product of the suite's axes as cases, DDP first in each group, unsupported ones skipped."""
-    device = resolve_device(config.device)
-    entries = list(config.implementations)
-    if not any(e.name == REFERENCE for e in entries):
-        entries.insert(0, ImplementationEntry(name=REFERENCE))
-    entries.sort(key=lambda e: e.name != REFERENCE)
-    cases = []
-    for model, world, precision, entry in itertools.product(config.models, config.world_sizes, config.precisions, entries):
-        impl = registry.resolve(entry.name)
-        stages = entry.stages or sorted(impl.capabilities.stages)
-        offloads = config.offload if entry.name != REFERENCE else ["none"]
-        for stage, offload in itertools.product(stages, offloads):
-            case = Case(
-                model=model, implementation=entry.name, stage=stage, world_size=world, precision=precision,
-                offload=offload, device=device, steps=config.steps, warmup_steps=config.warmup_steps,
-                micro_batch=config.micro_batch, grad_accum=config.grad_accum,
-                seq_len=config.seq_len or get_config(model).seq, seed=config.seed, timeout_s=config.timeout_s,
-                optimizer=config.optimizer.name, lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay,
-                momentum=config.optimizer.momentum, grad_clip=config.grad_clip,
-                options=tuple(sorted(entry.options.items())), nvme_dir=config.nvme_dir, target_loss=config.target_loss)
-            reason = impl.capabilities.why_unsupported(
-                stage=stage, precision=precision, offload=offload, device=device, optimizer=case.optimizer,
-                grad_accum=case.grad_accum, grad_clip=case.grad_clip)
-            cases.append(case if reason is None else _skipped(case, reason))
-    return cases
-
-
-def _skipped(case: Case, reason: str) -> Case:
-    from dataclasses import replace
-
-    return replace(case, skip_reason=reason)
-
-
 def from_dict(data: Any, *, source: str = "suite") -> SuiteConfig:
+    """Validate a suite given as a mapping; every problem is a ``UsageError`` naming ``source``."""
     if not isinstance(data, dict):
         raise UsageError(f"{source}: a suite must be a YAML mapping of keys to values, got {type(data).__name__}")
     try:
@@ -291,8 +158,8 @@ def from_dict(data: Any, *, source: str = "suite") -> SuiteConfig:
         raise UsageError(f"{source}: {exc}") from None
 
 
-def load(path: str | Path) -> Suite:
-    """Read, validate and expand a suite file; every problem is a ``UsageError`` naming the file."""
+def read(path: str | Path) -> SuiteFile:
+    """Read and validate a suite file; every problem is a ``UsageError`` naming the file."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -310,14 +177,9 @@ def load(path: str | Path) -> Suite:
     if isinstance(data, dict):
         data.setdefault("name", path.stem)
     config = from_dict(data, source=str(path))
-    return build(config, path=str(path), raw=raw)
+    return SuiteFile(path=str(path), sha256=hashlib.sha256(raw).hexdigest(), config=config)
 
 
-def build(config: SuiteConfig, *, path: str | None, raw: bytes | None = None) -> Suite:
-    source = path or "suite"
-    device = resolve_device(config.device)
-    check_world_sizes(device, config.world_sizes, source)
-    raw = raw if raw is not None else config.model_dump_json().encode()
-    cases = tuple(expand(config))
-    nvme.check_suite(cases, config.nvme_dir)
-    return Suite(path=path, sha256=hashlib.sha256(raw).hexdigest(), config=config, cases=cases)
+def from_flags(config: SuiteConfig) -> SuiteFile:
+    """A suite built from command-line flags (``zbench compare``, ``zbench.testing``): hashed by its content."""
+    return SuiteFile(path=None, sha256=hashlib.sha256(config.model_dump_json().encode()).hexdigest(), config=config)

@@ -1,10 +1,9 @@
 """What runs on every rank of a case: build, wrap, train, measure, hand the results back.
 
-Launched by ``zbench.launch`` as ``python -m zbench.worker CASE_JSON WORKDIR``
-with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
-``MASTER_PORT`` set. Each rank writes ``rank<R>.json`` (or
-``rank<R>.error.json``) into WORKDIR; rank 0 also writes ``params.pt`` (the
-final parameters) and ``progress`` (the step it is on).
+Launched by ``zbench.launch`` as ``python -m zbench.worker WORKDIR`` with
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
+set. It reads its ``WorkerTask`` from WORKDIR and hands back a ``RankResult``
+(or a ``RankError``); ``zbench.handoff`` names every file.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import faulthandler
-import json
 import os
 import signal
 import sys
@@ -23,26 +21,23 @@ import torch
 import torch.distributed as dist
 
 from zbench import registry
+from zbench.atomic import atomic_torch_save, atomic_write_json
+from zbench.case import Case
+from zbench.handoff import CaseFiles, CollectiveEntry, PhaseSample, RankError, RankResult, WorkerTask
 from zbench.measure import comms
 from zbench.measure.bandwidth import probe_bus_bandwidth
 from zbench.measure.memory import peak_memory, reset_peak
 from zbench.measure.nvml import NvmlSampler
 from zbench.measure.phases import PhaseClock, clock_name
 from zbench.measure.timing import timed
-from zbench.models import build_model, get_config, rank_micro_batches, synthetic_batch
-from zbench.protocol import TrainSpec
-from zbench.store import atomic_write_json, atomic_torch_save
+from zbench.models import build_model, rank_micro_batches, synthetic_batch
+from zbench.presets import GPTConfig, get_config
+from zbench.protocol import Engine, Implementation
+from zbench.record import NvmlSummary, RankMemory
 
 
-def train_spec(case: dict, device: torch.device) -> TrainSpec:
-    return TrainSpec(device=device, precision=case["precision"], optimizer=case["optimizer"], lr=case["lr"],
-                     weight_decay=case["weight_decay"], momentum=case["momentum"], grad_clip=case["grad_clip"],
-                     grad_accum=case["grad_accum"], stage=case["stage"], offload=case["offload"],
-                     nvme_dir=case["nvme_dir"], options=case["options"])
-
-
-def pick_device(case: dict, local_rank: int) -> torch.device:
-    if case["device"] == "cuda":
+def pick_device(case: Case, local_rank: int) -> torch.device:
+    if case.device == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -57,60 +52,73 @@ def nvml_index(device: torch.device) -> int:
     return device.index
 
 
-def expected_comm_elements(implementation, cfg, world: int, stage: int) -> int:
-    """The implementation's own account of its traffic when it declares one, else the design's formula."""
+def expected_comm_elements(implementation: Implementation, cfg: GPTConfig, world: int, stage: int) -> int:
+    """The implementation's own account of its traffic when it declares one, else the ZeRO formula."""
     if world == 1:
         return 0  # one rank has nothing to exchange (implementations may still call collectives: DDP does)
-    declared = getattr(implementation, "expected_comm_elements", None)
-    return int(declared(cfg, world)) if callable(declared) else comms.theory_elements(cfg.num_parameters, stage)
+    declared = implementation.expected_comm_elements(cfg, world)
+    return int(declared) if declared is not None else comms.theory_elements(cfg.num_parameters, stage)
 
 
-def train(case: dict, workdir: Path, rank: int, world: int, device: torch.device) -> dict:
-    cfg = get_config(case["model"])
-    data_cfg = dataclasses.replace(cfg, seq=case["seq_len"])
-    implementation = registry.resolve(case["implementation"])
-    model = build_model(case["model"], seed=case["seed"], device=device)
-    engine = implementation.build(model, train_spec(case, device), dist.group.WORLD)
-    rows = case["micro_batch"] * case["grad_accum"] * world
-    losses, times, metrics, comm_steps, phases = [], [], [], [], []
+def check_engine(engine: object, name: str) -> Engine:
+    """The engine an implementation built, checked against the protocol (a plug-in may lack a member)."""
+    missing = [m for m in ("step", "full_parameters", "state_bytes", "metrics", "close") if not hasattr(engine, m)]
+    if missing:
+        raise TypeError(f"implementation {name!r} built an engine without {', '.join(missing)} "
+                        "(see zbench.protocol.Engine; zbench.protocol.EngineBase supplies metrics and close)")
+    return engine  # type: ignore[return-value]  # checked member by member above
+
+
+def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: torch.device) -> RankResult:
+    case = task.case
+    cfg = get_config(case.model)
+    data_cfg = dataclasses.replace(cfg, seq=case.seq_len)
+    implementation = registry.resolve(case.implementation)
+    model = build_model(case.model, seed=case.seed, device=device)
+    engine = check_engine(implementation.build(model, case.train_spec(device, swap_dir=task.swap_dir),
+                                               dist.group.WORLD), case.implementation)
+    rows = case.micro_batch * case.grad_accum * world
+    losses: list[float] = []
+    times: list[float] = []
+    metrics: list[dict[str, float]] = []
+    comm_steps: list[list[CollectiveEntry]] = []
+    phases: list[PhaseSample] = []
     bandwidth = probe_bus_bandwidth(device)
     clock = PhaseClock(model, device).attach()
     sampler = NvmlSampler(nvml_index(device)).start() if device.type == "cuda" else None
     reset_peak(device)
     try:
-        for step in range(case["steps"]):
-            batch = synthetic_batch(data_cfg, seed=case["seed"], step=step, rows=rows)
-            micro_batches = rank_micro_batches(batch, rank=rank, world=world, grad_accum=case["grad_accum"],
+        for step in range(case.steps):
+            batch = synthetic_batch(data_cfg, seed=case.seed, step=step, rows=rows)
+            micro_batches = rank_micro_batches(batch, rank=rank, world=world, grad_accum=case.grad_accum,
                                                device=device)
             comms.take()  # drop set-up traffic (DDP's initial broadcast, the bandwidth probe, ...)
-            if sampler is not None and step == case["warmup_steps"]:
+            if sampler is not None and step == case.warmup_steps:
                 sampler.mark()
             loss, seconds = timed(lambda: clock.run(lambda: engine.step(micro_batches)), device=device,
                                   barrier=dist.barrier)
-            comm_steps.append(comms.take())
-            phases.append(clock.read())
+            comm_steps.append([CollectiveEntry(**e) for e in comms.take()])
+            phases.append(PhaseSample(**clock.read()))
             losses.append(float(loss))
             times.append(seconds)
-            metrics.append(engine.metrics() if hasattr(engine, "metrics") else {})
+            metrics.append(engine.metrics())
             if rank == 0:
-                (workdir / "progress").write_text(f"{step + 1}/{case['steps']}")
+                files.progress.write_text(f"{step + 1}/{case.steps}")
         clock.detach()
         memory = peak_memory(device)  # before the final gather below, which is not training
         nvml = sampler.stop() if sampler else {"available": False, "reason": "CPU run"}
         state = engine.state_bytes()
         params = engine.full_parameters()
     finally:
-        close = getattr(engine, "close", None)  # e.g. remove NVMe swap files
-        if callable(close):
-            close()
+        engine.close()  # e.g. remove NVMe swap files
     if rank == 0:
-        atomic_torch_save(params, workdir / "params.pt")
-    return {"rank": rank, "losses": losses, "step_times_s": times, "metrics": metrics, "comms": comm_steps,
-            "phases": phases, "clock": clock_name(device), "bus_bandwidth_bytes_per_s": bandwidth,
-            "expected_comm_elements": expected_comm_elements(implementation, cfg, world, case["stage"]),
-            "memory": memory, "state_bytes": state, "nvml": nvml,
-            "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "parameters": cfg.num_parameters}
+        atomic_torch_save(params, files.params)
+    return RankResult(rank=rank, losses=losses, step_times_s=times, metrics=metrics, comms=comm_steps, phases=phases,
+                      clock=clock_name(device), bus_bandwidth_bytes_per_s=bandwidth,
+                      expected_comm_elements=expected_comm_elements(implementation, cfg, world, case.stage),
+                      memory=RankMemory(**memory), state_bytes=state, nvml=NvmlSummary(**nvml),
+                      gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                      parameters=cfg.num_parameters)
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -134,27 +142,26 @@ def main(argv: list[str]) -> int:
     die_with_parent()
     comms.install()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's "where are you stuck?" before a timeout kill
-    case_path, workdir = Path(argv[0]), Path(argv[1])
-    case = json.loads(case_path.read_text())
+    files = CaseFiles(Path(argv[0]))
+    task = WorkerTask.model_validate_json(files.task.read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if case["device"] == "cpu":
+    if task.case.device == "cpu":
         torch.set_num_threads(int(os.environ.get("ZBENCH_THREADS_PER_RANK", max(1, (os.cpu_count() or 1) // world))))
     try:
-        device = pick_device(case, local_rank)
+        device = pick_device(task.case, local_rank)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=case["timeout_s"]),
+                                timeout=datetime.timedelta(seconds=task.case.timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-        result = train(case, workdir, rank, world, device)
+        result = train(task, files, rank, world, device)
     except BaseException as exc:  # recorded for the launcher, then the process dies without waiting on peers
-        kind = "oom" if is_oom(exc) else "error"
-        atomic_write_json(workdir / f"rank{rank}.error.json", {
-            "rank": rank, "kind": kind, "message": f"{type(exc).__name__}: {exc}".strip()[:2000],
-            "traceback": traceback.format_exc()[-8000:]})
+        error = RankError(rank=rank, kind="oom" if is_oom(exc) else "error",
+                          message=f"{type(exc).__name__}: {exc}".strip()[:2000], traceback=traceback.format_exc()[-8000:])
+        atomic_write_json(files.error(rank), error.model_dump(mode="json"))
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(3)
-    atomic_write_json(workdir / f"rank{rank}.json", result)
+    atomic_write_json(files.result(rank), result.model_dump(mode="json"))
     dist.destroy_process_group()
     return 0
 

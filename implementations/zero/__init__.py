@@ -29,13 +29,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.distributed import ProcessGroup
 
-from implementations.zero.options import ZeroOptions
-from implementations.zero.placement import SUPPORTED
-from implementations.zero.stage1 import ZeRO1Engine
-from implementations.zero.stage2 import ZeRO2Engine
-from implementations.zero.stage3 import ZeRO3Engine
-from zbench.protocol import Capabilities, TrainSpec
+from zbench.implementations.zero.options import ZeroOptions
+from zbench.implementations.zero.placement import SUPPORTED
+from zbench.implementations.zero.stage1 import ZeRO1Engine
+from zbench.implementations.zero.stage2 import ZeRO2Engine
+from zbench.implementations.zero.stage3 import ZeRO3Engine
+from zbench.presets import GPTConfig
+from zbench.protocol import Capabilities, Engine, TrainSpec
 
 __all__ = ["ZERO1", "ZERO2", "ZERO3", "ZeroImplementation", "ZeroOptions", "ZeRO1Engine", "ZeRO2Engine",
            "ZeRO3Engine"]
@@ -59,7 +61,7 @@ class ZeroImplementation:
     def __post_init__(self) -> None:
         object.__setattr__(self, "capabilities", _capabilities(self.stage))
 
-    def expected_comm_elements(self, cfg, world: int) -> int:
+    def expected_comm_elements(self, cfg: GPTConfig, world: int) -> int:
         """Stages 1-2: reduce-scatter Ψ + all-gather Ψ. Stage 3: reduce-scatter Ψ, and gathers of Ψ for forward and
         again for backward, except the root unit and the last block, which stay gathered from forward to backward."""
         psi = cfg.num_parameters
@@ -68,7 +70,7 @@ class ZeroImplementation:
         root = psi - cfg.layers * cfg.block_parameters
         return 3 * psi - root - (cfg.block_parameters if cfg.layers else 0)
 
-    def build(self, model: nn.Module, spec: TrainSpec, group):
+    def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> Engine:
         reason = self.capabilities.why_unsupported(stage=self.stage, precision=spec.precision, offload=spec.offload,
                                                    device=spec.device.type, optimizer=spec.optimizer,
                                                    grad_accum=spec.grad_accum, grad_clip=spec.grad_clip)

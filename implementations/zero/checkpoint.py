@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from implementations.zero.comm import Comm
-from implementations.zero.flat import FlatLayout
+from zbench.implementations.zero.comm import Comm
+from zbench.implementations.zero.flat import FlatLayout
 
 FORMAT = 1
 

@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from zbench.measure import comms
+from zbench.comm_labels import recorded_as
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the first names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -84,7 +84,7 @@ class Comm:
             return DONE
         if scratch and self.backend == "gloo":
             n = out.numel()
-            with comms.recorded_as("reduce_scatter", inp.numel()):
+            with recorded_as("reduce_scatter", inp.numel()):
                 work = dist.all_reduce(inp, group=self.group, async_op=True)
             handle: Handle = _SliceOnWait(work, out, inp[self.rank * n:(self.rank + 1) * n])
         else:

@@ -8,15 +8,15 @@ from collections import deque
 import torch
 from torch import nn
 
-from implementations._common import accumulate
-from implementations.zero import checkpoint
-from implementations.zero.comm import Comm
-from implementations.zero.flat import partition_by_numel
-from implementations.zero.loop import forward_backward
-from implementations.zero.options import ZeroOptions
-from implementations.zero.params import ReplicatedParams
-from implementations.zero.placement import Placement
-from implementations.zero.state import gather_full_parameters
+from zbench.implementations._common import accumulate
+from zbench.implementations.zero import checkpoint
+from zbench.implementations.zero.comm import Comm
+from zbench.implementations.zero.flat import partition_by_numel
+from zbench.implementations.zero.loop import forward_backward
+from zbench.implementations.zero.options import ZeroOptions
+from zbench.implementations.zero.params import ReplicatedParams
+from zbench.implementations.zero.placement import Placement
+from zbench.implementations.zero.state import gather_full_parameters
 from zbench.protocol import MicroBatch, TrainSpec
 
 

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import torch
 
-from implementations.zero.comm import Comm, Handle
-from implementations.zero.flat import FlatLayout
-from implementations.zero.tiers import GradShard
+from zbench.implementations.zero.comm import Comm, Handle
+from zbench.implementations.zero.flat import FlatLayout
+from zbench.implementations.zero.tiers import GradShard
 
 
 def copy_mean_part(view: torch.Tensor, grad: torch.Tensor, world: int) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from implementations._common import autocast
-from implementations.zero.precision import LossScaler
+from zbench.implementations._common import autocast
+from zbench.implementations.zero.precision import LossScaler
 from zbench.protocol import MicroBatch, TrainSpec
 
 

@@ -22,10 +22,10 @@ from typing import Literal, Protocol
 
 import torch
 
-from implementations.zero.offload import host_empty
-from implementations.zero.state import Held
-from implementations.zero.tiers import DeviceShard, ParamTier
-from zbench.measure.state import optimizer_tensors
+from zbench.implementations.zero.offload import host_empty
+from zbench.implementations.zero.state import Held
+from zbench.implementations.zero.tiers import DeviceShard, ParamTier
+from zbench.state_bytes import optimizer_tensors
 from zbench.protocol import TrainSpec
 
 

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from implementations.zero.masters import check_masters
-from implementations.zero.offload import HostToDevice, Upload, host_empty
-from implementations.zero.state import Held
-from implementations.zero.swap import Region, SwapDir
-from implementations.zero.tiers import ParamTier
+from zbench.implementations.zero.masters import check_masters
+from zbench.implementations.zero.offload import HostToDevice, Upload, host_empty
+from zbench.implementations.zero.state import Held
+from zbench.implementations.zero.swap import Region, SwapDir
+from zbench.implementations.zero.tiers import ParamTier
 from zbench.protocol import TrainSpec
 
 _NOTHING = torch.empty(0)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from implementations.zero.state import Held
+from zbench.implementations.zero.state import Held
 
 
 def host_empty(numel: int, dtype: torch.dtype, *, device: torch.device) -> torch.Tensor:

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from implementations.zero.comm import Comm
-from implementations.zero.masters import MasterStore
-from implementations.zero.precision import LossScaler
+from zbench.implementations.zero.comm import Comm
+from zbench.implementations.zero.masters import MasterStore
+from zbench.implementations.zero.precision import LossScaler
 from zbench.protocol import TrainSpec
 
 

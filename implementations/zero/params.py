@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import torch
 
-from implementations.zero.comm import DONE, Comm, Handle
-from implementations.zero.flat import FlatLayout, NamedParams, bind
-from implementations.zero.tiers import DeviceShard, ParamTier
+from zbench.implementations.zero.comm import DONE, Comm, Handle
+from zbench.implementations.zero.flat import FlatLayout, NamedParams, bind
+from zbench.implementations.zero.tiers import DeviceShard, ParamTier
 
 
 def _master(shard: torch.Tensor, fp32_values: torch.Tensor) -> torch.Tensor:

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from implementations.zero.comm import Comm
-from implementations.zero.masters import InMemoryMasters, MasterStore
-from implementations.zero.nvme import DiskShard, NvmeMasters
-from implementations.zero.offload import DeviceToHost, HostGradShard, HostShard, HostToDevice
-from implementations.zero.options import ZeroOptions
-from implementations.zero.state import Held
-from implementations.zero.swap import SwapDir
-from implementations.zero.tiers import DeviceGradShard, DeviceShard, GradShard, ParamTier, ReducedSlice
+from zbench.implementations.zero.comm import Comm
+from zbench.implementations.zero.masters import InMemoryMasters, MasterStore
+from zbench.implementations.zero.nvme import DiskShard, NvmeMasters
+from zbench.implementations.zero.offload import DeviceToHost, HostGradShard, HostShard, HostToDevice
+from zbench.implementations.zero.options import ZeroOptions
+from zbench.implementations.zero.state import Held
+from zbench.implementations.zero.swap import SwapDir
+from zbench.implementations.zero.tiers import DeviceGradShard, DeviceShard, GradShard, ParamTier, ReducedSlice
 from zbench.protocol import TrainSpec
 
 #: Offload modes per stage: parameters can only leave the device when they are partitioned (stage 3).

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from implementations.zero.options import ZeroOptions
+from zbench.implementations.zero.options import ZeroOptions
 from zbench.protocol import TrainSpec
 
 

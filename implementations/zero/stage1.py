@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from implementations._common import accumulate
-from implementations.zero.grads import AccumulatedGradBucket
-from implementations.zero.loop import forward_backward
-from implementations.zero.engine import ShardedEngine
-from implementations.zero.optim import ShardedOptimizer
-from implementations.zero.precision import LossScaler
-from implementations.zero.state import Held, total, zero_state_bytes
+from zbench.implementations._common import accumulate
+from zbench.implementations.zero.grads import AccumulatedGradBucket
+from zbench.implementations.zero.loop import forward_backward
+from zbench.implementations.zero.engine import ShardedEngine
+from zbench.implementations.zero.optim import ShardedOptimizer
+from zbench.implementations.zero.precision import LossScaler
+from zbench.implementations.zero.state import Held, total, zero_state_bytes
 from zbench.protocol import MicroBatch, TrainSpec
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from implementations.zero.grads import GradBucket, InFlight
-from implementations.zero.engine import ReducedEachMicroBatch
-from implementations.zero.optim import ShardedOptimizer
-from implementations.zero.precision import LossScaler
-from implementations.zero.state import Held, total, zero_state_bytes
+from zbench.implementations.zero.grads import GradBucket, InFlight
+from zbench.implementations.zero.engine import ReducedEachMicroBatch
+from zbench.implementations.zero.optim import ShardedOptimizer
+from zbench.implementations.zero.precision import LossScaler
+from zbench.implementations.zero.state import Held, total, zero_state_bytes
 from zbench.protocol import TrainSpec
 
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from implementations.zero.comm import Comm
-from implementations.zero.flat import FlatLayout
-from zbench.measure.state import empty_state_bytes
+from zbench.implementations.zero.comm import Comm
+from zbench.implementations.zero.flat import FlatLayout
+from zbench.state_bytes import empty_state_bytes
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from implementations.zero.state import Held
+from zbench.implementations.zero.state import Held
 
 
 class ParamTier(Protocol):

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from implementations.ddp import DDPEngine
-from zbench.measure.state import module_state_bytes
-from zbench.protocol import Capabilities, TrainSpec
+from zbench.implementations.ddp import DDPEngine
+from zbench.state_bytes import module_state_bytes
+from zbench.protocol import Capabilities, EngineBase, ImplementationBase, TrainSpec
 
 
-class UnsyncedEngine:
+class UnsyncedEngine(EngineBase):
     """Averages every gradient but the last parameter's across ranks."""
 
     def __init__(self, model: nn.Module, spec: TrainSpec) -> None:
@@ -76,7 +76,7 @@ class FaultyEngine(DDPEngine):
         return super().step(micro_batches)
 
 
-class Faulty:
+class Faulty(ImplementationBase):
     name = "faulty"
     capabilities = Capabilities(stages=frozenset({0}), precisions=frozenset({"fp32"}))
 

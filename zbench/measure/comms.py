@@ -17,12 +17,12 @@ the bytes of an fp32 one). How a backend implements an operator on the wire
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
 
 import torch
+
+from zbench import comm_labels
 
 # operator -> (ledger name, index of the argument whose size is the volume, ring factor)
 _OPS = {
@@ -38,7 +38,6 @@ _OPS = {
 }
 
 _lock = threading.Lock()
-_logical = threading.local()
 _entries: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])  # (op, dtype) -> count, elements, bytes
 _library: torch.library.Library | None = None
 
@@ -55,11 +54,11 @@ def _kernel(op_name: str):
 
     def record_and_forward(*args, **kwargs):
         tensors = _flatten(args[index])
-        label = getattr(_logical, "label", None)
+        label = comm_labels.current()
         if label is not None:  # the caller said what these collectives stand for: record that, once
-            if not label[2]:
-                _record(label[0], tensors[0].dtype, label[1], label[1] * tensors[0].element_size())
-                label[2] = True
+            if not label.recorded:
+                _record(label.op, tensors[0].dtype, label.elements, label.elements * tensors[0].element_size())
+                label.recorded = True
         elif tensors:
             _record(name, tensors[0].dtype, factor * sum(t.numel() for t in tensors),
                     factor * sum(t.numel() * t.element_size() for t in tensors))
@@ -75,23 +74,6 @@ def _record(name: str, dtype: torch.dtype, elements: int, nbytes: int) -> None:
         entry[0] += 1
         entry[1] += elements
         entry[2] += nbytes
-
-
-@contextlib.contextmanager
-def recorded_as(op: str, elements: int) -> Iterator[None]:
-    """Record the collectives issued in this block as one logical ``op`` of ``elements`` elements.
-
-    For an implementation that builds one collective from others on a backend
-    where that is faster, as gloo's own reduce-scatter does (an all-reduce, then
-    a slice) or an all-gather made of one broadcast per rank: the ledger then
-    checks the logical volume, as design §5 asks, rather than the backend
-    workaround. It labels, it does not measure.
-    """
-    _logical.label = [op, elements, False]
-    try:
-        yield
-    finally:
-        _logical.label = None
 
 
 def install() -> None:
@@ -120,10 +102,6 @@ def take() -> list[dict]:
                for (op, dtype), (c, e, b) in sorted(_entries.items())]
         _entries.clear()
     return out
-
-
-def total_elements(entries: list[dict]) -> int:
-    return sum(e["elements"] for e in entries)
 
 
 def theory_elements(params: int, stage: int) -> int:

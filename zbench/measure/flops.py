@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from zbench.models import GPTConfig
+from zbench.presets import GPTConfig
 
 #: name fragment -> (dense bf16/fp16 tensor-core TFLOP/s, FP32 TFLOP/s); SXM figures for H100/H200/A100
 PEAK_TFLOPS = {

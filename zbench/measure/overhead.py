@@ -31,7 +31,7 @@ from zbench.measure.timing import timed
 
 
 def _rank(rank: int, world: int, port: int, rounds: int, block: int, model: str, out: str) -> None:
-    from implementations.ddp import DDP
+    from zbench.implementations.ddp import DDP
     from zbench.models import build_model, get_config, rank_micro_batches, synthetic_batch
     from zbench.protocol import TrainSpec
 

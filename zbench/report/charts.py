@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from zbench.history import Point
+from zbench.record import CaseRecord
+
 LAYOUT = dict(template="plotly_white", height=380, margin=dict(l=60, r=20, t=50, b=120), legend=dict(orientation="h"))
 
 
@@ -11,50 +14,57 @@ def _fragment(fig: go.Figure) -> str:
     return fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False})
 
 
-def step_time_chart(records: list[dict]) -> str:
-    ok = [r for r in records if r["status"] == "ok"]
-    medians = [r["summary"]["step_time_median_s"] * 1e3 for r in ok]
+def _ms(seconds: float | None) -> float:
+    return 0.0 if seconds is None else seconds * 1e3
+
+
+def _ok(records: list[CaseRecord]) -> list[CaseRecord]:
+    return [r for r in records if r.ok]
+
+
+def step_time_chart(records: list[CaseRecord]) -> str:
+    ok = _ok(records)
+    stats = [r.summary for r in ok]
     fig = go.Figure(go.Bar(
-        x=[r["case_id"] for r in ok], y=medians, name="median step time",
+        x=[r.case_id for r in ok], y=[_ms(s.step_time_median_s) for s in stats], name="median step time",
         error_y=dict(type="data", symmetric=False,
-                     array=[(r["summary"]["step_time_q3_s"] - r["summary"]["step_time_median_s"]) * 1e3 for r in ok],
-                     arrayminus=[(r["summary"]["step_time_median_s"] - r["summary"]["step_time_q1_s"]) * 1e3 for r in ok]),
-        text=[f"{r['ratio_to_ddp']:.2f}x DDP" if r.get("ratio_to_ddp") else "" for r in ok], textposition="outside"))
+                     array=[_ms(s.step_time_q3_s) - _ms(s.step_time_median_s) for s in stats],
+                     arrayminus=[_ms(s.step_time_median_s) - _ms(s.step_time_q1_s) for s in stats]),
+        text=[f"{r.ratio_to_ddp:.2f}x DDP" if r.ratio_to_ddp else "" for r in ok], textposition="outside"))
     fig.update_layout(title="Median step time (ms), whiskers: interquartile range", yaxis_title="ms", **LAYOUT)
     return _fragment(fig)
 
 
-def memory_chart(records: list[dict]) -> str:
-    ok = [r for r in records if r["status"] == "ok"]
-    fig = go.Figure(go.Bar(x=[r["case_id"] for r in ok], y=[r["memory"]["peak_bytes"] / 2**20 for r in ok],
-                           text=[r["memory"]["kind"] for r in ok], textposition="outside"))
+def memory_chart(records: list[CaseRecord]) -> str:
+    ok = [r for r in _ok(records) if r.memory is not None]
+    fig = go.Figure(go.Bar(x=[r.case_id for r in ok], y=[r.memory.peak_bytes / 2**20 for r in ok if r.memory],
+                           text=[r.memory.kind for r in ok if r.memory], textposition="outside"))
     fig.update_layout(title="Peak memory per rank (MiB; CUDA allocator on GPU, resident set on CPU)",
                       yaxis_title="MiB", **LAYOUT)
     return _fragment(fig)
 
 
-def model_state_chart(records: list[dict]) -> str:
-    ok = [r for r in records if r["status"] == "ok"]
-    ids = [r["case_id"] for r in ok]
+def model_state_chart(records: list[CaseRecord]) -> str:
+    states = [(r.case_id, r.model_state) for r in _ok(records) if r.model_state is not None]
+    ids = [case_id for case_id, _ in states]
     fig = go.Figure([
-        go.Bar(x=ids, y=[r["model_state"]["measured_total"] / 2**20 for r in ok], name="measured"),
-        go.Bar(x=ids, y=[r["model_state"]["expected_total"] / 2**20 for r in ok], name="ZeRO formula"),
+        go.Bar(x=ids, y=[m.measured_total / 2**20 for _, m in states if m], name="measured"),
+        go.Bar(x=ids, y=[m.expected_total / 2**20 for _, m in states if m], name="ZeRO formula"),
     ])
     fig.update_layout(title="Model state per rank (MiB): parameters + gradients + optimizer state + master weights",
                       yaxis_title="MiB", barmode="group", **LAYOUT)
     return _fragment(fig)
 
 
-def loss_chart(records: list[dict]) -> str:
-    fig = go.Figure([go.Scatter(x=[s["step"] for s in r["steps"]], y=[s["loss"] for s in r["steps"]],
-                                mode="lines+markers", name=r["case_id"])
-                     for r in records if r["status"] == "ok"])
+def loss_chart(records: list[CaseRecord]) -> str:
+    fig = go.Figure([go.Scatter(x=[s.step for s in r.steps], y=r.losses(), mode="lines+markers", name=r.case_id)
+                     for r in _ok(records)])
     fig.update_layout(title="Loss per step (every implementation should lie on DDP's curve)",
                       xaxis_title="step", yaxis_title="loss", **LAYOUT)
     return _fragment(fig)
 
 
-def trend_chart(series: dict) -> str:
+def trend_chart(series: dict[str, list[Point]]) -> str:
     """Median step time per case over runs; runs that regressed against the one before are marked."""
     fig = go.Figure()
     for case_id, points in series.items():

@@ -7,11 +7,13 @@ from pathlib import Path
 import jinja2
 from markupsafe import Markup
 
-from zbench.console import fmt_bytes, fmt_ratio, fmt_seconds, status_text
+from zbench.atomic import atomic_write_bytes
 from zbench.equivalence import TOLERANCE
+from zbench.formatting import fmt_bytes, fmt_ratio, fmt_seconds, status_text
 from zbench.history import case_history, runs_like
 from zbench.report import charts
-from zbench.store import RunDir, atomic_write_bytes
+from zbench.store import RunDir
+from zbench.values import STATUSES
 
 _ENV = jinja2.Environment(loader=jinja2.PackageLoader("zbench.report", "templates"),
                           autoescape=jinja2.select_autoescape(default=True, default_for_string=True),
@@ -30,13 +32,13 @@ def render(run: RunDir, report_dir: Path, *, results_root: Path | None = None) -
     records = run.cases()
     runs = runs_like(results_root, run) if results_root is not None else [run]
     series = case_history(runs) if len(runs) > 1 else {}
-    order = {c: i for i, c in enumerate(run.run_info().get("case_order", []))}
-    records.sort(key=lambda r: order.get(r["case_id"], len(order)))
-    has_ok = any(r["status"] == "ok" for r in records)
+    order = {c: i for i, c in enumerate(run.info().case_order)}
+    records.sort(key=lambda r: order.get(r.case_id, len(order)))
+    has_ok = any(r.ok for r in records)
     page = _ENV.get_template("index.html.j2").render(
-        run=run.run_info(), records=records, tolerances=TOLERANCE,
-        counts={s: sum(r["status"] == s for r in records) for s in ("ok", "skipped", "error", "oom", "timeout")},
-        not_equivalent=sum(1 for r in records if r["status"] == "ok" and not r.get("equivalence", {}).get("equivalent")),
+        run=run.info(), records=records, tolerances=TOLERANCE,
+        counts={s: sum(r.status == s for r in records) for s in STATUSES},
+        not_equivalent=sum(1 for r in records if r.ok and not r.equivalent),
         charts=[Markup(c(records)) for c in (charts.step_time_chart, charts.memory_chart, charts.model_state_chart, charts.loss_chart)] if has_ok else [],
         trend=Markup(charts.trend_chart(series)) if series else "", history_runs=len(runs),
         regressions=[(case_id, p) for case_id, points in series.items() for p in points if p.regressed],

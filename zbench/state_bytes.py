@@ -1,6 +1,7 @@
-"""Model-state bytes measured from the tensors a rank actually holds.
+"""Model-state bytes measured from the tensors a rank actually holds: helpers for implementations.
 
-Adapters (DDP, FSDP, torch ZeRO) report ``Engine.state_bytes`` through these
+Part of the protocol's toolkit (an implementation may import it; it imports nothing of the harness).
+Adapters (DDP, FSDP, torch ZeRO) and the reference engine report ``Engine.state_bytes`` through these
 helpers so that every implementation is counted the same way: each storage once,
 DTensors by their local shard, by the device the bytes live on.
 """
@@ -11,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-from zbench.protocol import CATEGORIES, LOCATIONS
+from zbench.values import CATEGORIES, LOCATIONS
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,3 @@ def moved_to_host(state: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]
     (FSDP2's CPU offload), which on a CPU-only run would otherwise count as the compute device."""
     return {cat: {"device": 0, "host": locs["device"] + locs["host"], "disk": locs["disk"]}
             for cat, locs in state.items()}
-
-
-def total(state: dict[str, dict[str, int]]) -> int:
-    return sum(sum(by_loc.values()) for by_loc in state.values())

@@ -1,0 +1,117 @@
+"""Pre-flight: everything that must hold before the first case runs, and the suite expanded into cases.
+
+Between parsing (``zbench.suite``) and running (``zbench.runner``): the device
+is resolved (``auto`` becomes ``cuda`` where a GPU is present), world sizes are
+checked against the GPUs present, every implementation is imported once (its
+capabilities travel with each case from here on), the axes are expanded into
+cases, and the NVMe directory is checked for room. Each failure is one
+``UsageError`` (exit 2) before anything has run or been written.
+
+Every case group (same model, world size, precision, ...) gets a DDP case,
+added if the suite does not list ``ddp``, because every case is checked against
+DDP. A combination an implementation does not support becomes a case that is
+*skipped* with the reason, never an error.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from zbench import nvme, registry
+from zbench.case import REFERENCE, Case
+from zbench.errors import UsageError
+from zbench.presets import get_config
+from zbench.protocol import Implementation
+from zbench.suite import ImplementationEntry, SuiteConfig, SuiteFile
+from zbench.values import DeviceKind
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A suite ready to run: its file, the device it runs on and every case in order."""
+
+    path: str | None
+    sha256: str
+    config: SuiteConfig
+    cases: tuple[Case, ...]
+
+
+def resolve_device(requested: str) -> DeviceKind:
+    """``auto`` becomes ``cuda`` where a GPU is present, else ``cpu``; ``cuda`` without one is bad input."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("device 'cuda' requested but no CUDA GPU is available (torch.cuda.is_available() is False); "
+                         "use device: cpu or auto")
+    if requested not in ("cpu", "cuda"):
+        raise UsageError(f"device {requested!r} is not one of auto, cpu, cuda")
+    return "cuda" if requested == "cuda" else "cpu"
+
+
+def check_world_sizes(device: str, world_sizes: list[int], source: str) -> None:
+    import torch
+
+    if device == "cuda":
+        have = torch.cuda.device_count()
+        too_big = [w for w in world_sizes if w > have]
+        if too_big:
+            raise UsageError(f"{source}: world size {max(too_big)} needs {max(too_big)} GPUs but {have} present")
+
+
+def entries_with_reference(config: SuiteConfig) -> list[ImplementationEntry]:
+    """The suite's implementations, DDP first (added when the suite does not list it)."""
+    entries = list(config.implementations)
+    if not any(e.name == REFERENCE for e in entries):
+        entries.insert(0, ImplementationEntry(name=REFERENCE))
+    return sorted(entries, key=lambda e: e.name != REFERENCE)
+
+
+def resolve_implementations(names: list[str], source: str) -> dict[str, Implementation]:
+    """Import every implementation once; an unknown name or a broken import path is bad input."""
+    resolved = {}
+    for name in dict.fromkeys(names):
+        try:
+            resolved[name] = registry.resolve(name)
+        except LookupError as exc:
+            raise UsageError(f"{source}: implementations: {exc}") from None
+    return resolved
+
+
+def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str, Implementation]) -> list[Case]:
+    """The cartesian product of the suite's axes as cases, DDP first in each group, unsupported ones skipped."""
+    cases = []
+    for model, world, precision, entry in itertools.product(config.models, config.world_sizes, config.precisions,
+                                                            entries_with_reference(config)):
+        caps = implementations[entry.name].capabilities
+        stages = entry.stages or sorted(caps.stages)
+        offloads = config.offload if entry.name != REFERENCE else ["none"]
+        for stage, offload in itertools.product(stages, offloads):
+            case = Case(
+                model=model, implementation=entry.name, stage=stage, world_size=world, precision=precision,
+                offload=offload, device=device, steps=config.steps, warmup_steps=config.warmup_steps,
+                micro_batch=config.micro_batch, grad_accum=config.grad_accum,
+                seq_len=config.seq_len or get_config(model).seq, seed=config.seed, timeout_s=config.timeout_s,
+                optimizer=config.optimizer.name, lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay,
+                momentum=config.optimizer.momentum, grad_clip=config.grad_clip, options=dict(entry.options),
+                nvme_dir=config.nvme_dir, target_loss=config.target_loss, keep_params=config.keep_params,
+                capabilities=caps)
+            reason = caps.why_unsupported(stage=stage, precision=precision, offload=offload, device=device,
+                                          optimizer=case.optimizer, grad_accum=case.grad_accum,
+                                          grad_clip=case.grad_clip)
+            cases.append(case if reason is None else case.model_copy(update={"skip_reason": reason}))
+    return cases
+
+
+def prepare(suite: SuiteFile) -> Suite:
+    """Check the machine against the suite and expand it; every problem is one ``UsageError`` naming the suite."""
+    source = suite.path or "suite"
+    config = suite.config
+    device = resolve_device(config.device)
+    check_world_sizes(device, config.world_sizes, source)
+    implementations = resolve_implementations([e.name for e in entries_with_reference(config)], source)
+    cases = tuple(expand(config, device=device, implementations=implementations))
+    nvme.check_suite(cases, config.nvme_dir)
+    return Suite(path=suite.path, sha256=suite.sha256, config=config, cases=cases)

@@ -1,0 +1,74 @@
+"""Model presets by name: GPT shapes from ``tiny`` to ``gpt-70b``, with exact parameter and FLOP counts.
+
+Plain data, no torch: the suite parser, ``zbench plan`` and the formulas read
+these without building anything. ``zbench.models`` builds the module from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    layers: int
+    d_model: int
+    heads: int
+    vocab: int
+    seq: int
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    @property
+    def embedding_parameters(self) -> int:
+        return (self.vocab + self.seq) * self.d_model
+
+    @property
+    def block_parameters(self) -> int:
+        """Parameters of one transformer block (two layer norms, attention, MLP)."""
+        d, h = self.d_model, self.mlp_ratio * self.d_model
+        attention = d * 3 * d + 3 * d + d * d + d
+        mlp = d * h + h + h * d + d
+        return 2 * (2 * d) + attention + mlp
+
+    @property
+    def num_parameters(self) -> int:
+        """Exact count of the parameters ``GPT(self)`` holds."""
+        return self.embedding_parameters + self.layers * self.block_parameters + 2 * self.d_model + self.d_model * self.vocab
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6·(Ψ − embeddings) + attention (design §5)."""
+        return 6 * (self.num_parameters - self.embedding_parameters) + 6 * self.layers * self.heads * self.head_dim * self.seq
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(layers=2, d_model=64, heads=2, vocab=256, seq=32),
+    "small": GPTConfig(layers=4, d_model=256, heads=4, vocab=1024, seq=128),
+    # ~41M parameters: AdamW state of 330 MB, big enough that offloading it shows in a CPU rank's resident memory
+    "medium": GPTConfig(layers=4, d_model=768, heads=12, vocab=8192, seq=128),
+    "gpt-125m": GPTConfig(layers=12, d_model=768, heads=12, vocab=50304, seq=2048),
+    "gpt-350m": GPTConfig(layers=24, d_model=1024, heads=16, vocab=50304, seq=2048),
+    "gpt-760m": GPTConfig(layers=24, d_model=1536, heads=16, vocab=50304, seq=2048),
+    "gpt-1.3b": GPTConfig(layers=24, d_model=2048, heads=32, vocab=50304, seq=2048),
+    "gpt-2.7b": GPTConfig(layers=32, d_model=2560, heads=32, vocab=50304, seq=2048),
+    "gpt-6.7b": GPTConfig(layers=32, d_model=4096, heads=32, vocab=50304, seq=2048),
+    "gpt-13b": GPTConfig(layers=40, d_model=5120, heads=40, vocab=50304, seq=2048),
+    "gpt-30b": GPTConfig(layers=48, d_model=7168, heads=56, vocab=50304, seq=2048),
+    "gpt-70b": GPTConfig(layers=87, d_model=8192, heads=64, vocab=50304, seq=2048),
+}
+
+
+def get_config(name: str) -> GPTConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(PRESETS)}") from None
+
+
