@@ -34,7 +34,9 @@ class FSDPEngine(EngineBase):
                    else OffloadPolicy())
         for block in getattr(model, "blocks", []):
             fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
-        self.model = fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
+        sharded = fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
+        assert isinstance(sharded, nn.Module)  # ``model`` itself, its class now a subclass of FSDPModule too
+        self.model = sharded
         self.optimizer = spec.make_optimizer(self.model.parameters())
 
     def _forward_backward(self, batch: MicroBatch, is_last: bool, n: int) -> torch.Tensor:

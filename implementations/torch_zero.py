@@ -15,6 +15,8 @@ from zbench.protocol import Capabilities, TrainSpec
 class TorchZeroEngine(DDPEngine):
     """DDP's training loop with the optimizer swapped for ``ZeroRedundancyOptimizer``."""
 
+    optimizer: ZeroRedundancyOptimizer
+
     def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         super().__init__(model, spec, group)
         cls, kwargs = spec.optimizer_class_and_kwargs()

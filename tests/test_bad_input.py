@@ -67,18 +67,26 @@ def answers(tmp_path_factory):
         ["run", "x.yaml", "--bogus-flag"],
         ["plan", "--gpus", "8"],
         ["plan", "--model", "gpt-7x"],
+        ["compare", "ddp", "fsdp", "--device", "cpu", "--precision", "fp16"],
+        ["compare", "ddp", "zero1", "--device", "cpu", "--precision", "fp8"],
+        ["report", "--results", "/no/such/results"],
+        ["check", "--results", "/no/such/results"],
     ]
     results = zbench_many(invocations)
     return dict(zip([c[0] for c in CASES] + ["gpus-8", "compare-unknown", "compare-missing-arg", "run-no-suite",
                                              "unknown-command", "compare-unknown-model", "compare-zero-steps",
-                                             "unknown-flag", "plan-no-model", "plan-unknown-model"], results)), tmp
+                                             "unknown-flag", "plan-no-model", "plan-unknown-model",
+                                             "compare-unsupported", "compare-bad-precision", "report-no-results",
+                                             "check-no-results"], results)), tmp
 
 
 EXPECT = {c[0]: c[3] for c in CASES} | {
     "gpus-8": "cuda", "compare-unknown": "unknown implementation 'nope'", "compare-missing-arg": "Missing argument",
     "run-no-suite": "Missing argument", "unknown-command": "No such command", "compare-unknown-model": "unknown model 'huge'",
     "compare-zero-steps": "steps", "unknown-flag": "No such option",
-    "plan-no-model": "exactly one of --model", "plan-unknown-model": "unknown model 'gpt-7x'"}
+    "plan-no-model": "exactly one of --model", "plan-unknown-model": "unknown model 'gpt-7x'",
+    "compare-unsupported": "fsdp cannot run tiny at fp16", "compare-bad-precision": "'fp8' is not one of",
+    "report-no-results": "no runs found", "check-no-results": "no runs found"}
 
 
 def test_the_table_is_big_enough():

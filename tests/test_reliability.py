@@ -90,10 +90,11 @@ def test_two_suites_at_once_into_one_results_directory(tmp_path):
 
 
 def test_resume_of_a_run_being_written_is_refused(tmp_path):
+    from zbench.run_info import RunInfo, SuiteInfo
     from zbench.store import RunDir, RunLock
 
     run = RunDir(tmp_path / "results", "r1")
-    run.start({"suite": {}})
+    run.start(RunInfo(run_id="r1", suite=SuiteInfo(name="s")))
     suite = write_suite(tmp_path / "s.yaml", steps=4)
     with RunLock(run):
         r = zbench("run", str(suite), "--results", str(tmp_path / "results"), "--resume", "r1")

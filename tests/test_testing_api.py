@@ -9,7 +9,7 @@ from zbench.testing import assert_equivalent_to_ddp
 
 def test_correct_implementation_passes():
     record = assert_equivalent_to_ddp("torch_zero", steps=6)
-    assert record["equivalence"]["max_rel_loss_diff"] <= 1e-5
+    assert record.equivalence is not None and record.equivalence.max_rel_loss_diff <= 1e-5
 
 
 def test_wrong_implementation_fails_with_figures():

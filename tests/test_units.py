@@ -7,7 +7,11 @@ import json
 import pytest
 import torch
 
-from zbench import equivalence, store, suite
+from zbench import equivalence, preflight, store, suite
+from zbench.atomic import atomic_write_json
+from zbench.case import Case
+from zbench.record import SCHEMA_VERSION, CaseRecord, StepSample, StepTimeSummary
+from zbench.run_info import RunInfo, SuiteInfo
 from zbench.formulas import expected_state_bytes
 from zbench.models import GPT, build_model, rank_micro_batches, synthetic_batch
 from zbench.presets import PRESETS
@@ -54,8 +58,13 @@ def config(**overrides):
                             "world_sizes": [1, 2], **overrides})
 
 
+def expand(cfg):
+    """The suite's cases as ``zbench run`` would launch them."""
+    return list(preflight.prepare(suite.from_flags(cfg)).cases)
+
+
 def test_cartesian_product_with_ddp_reference_first():
-    cases = suite.expand(config(precisions=["fp32", "bf16"]))
+    cases = expand(config(precisions=["fp32", "bf16"]))
     assert len(cases) == 2 * 2 * 3
     groups = {}
     for c in cases:
@@ -65,7 +74,7 @@ def test_cartesian_product_with_ddp_reference_first():
 
 
 def test_unsupported_combinations_are_skipped_not_errors():
-    cases = suite.expand(config(offload=["none", "optimizer"]))
+    cases = expand(config(offload=["none", "optimizer"]))
     skipped = [c for c in cases if c.skip_reason]
     assert skipped and all("offload optimizer not supported" in c.skip_reason for c in skipped)
 
@@ -75,16 +84,18 @@ def test_config_objects_are_frozen():
     with pytest.raises(Exception):
         cfg.steps = 3
     with pytest.raises(Exception):
-        suite.expand(cfg)[0].steps = 3
+        expand(cfg)[0].steps = 3
 
 
-def test_case_round_trips_through_dict():
-    case = suite.expand(config(implementations=[{"name": "fsdp", "options": {"x": 1}}]))[1]
-    assert suite.Case.from_dict(json.loads(json.dumps(case.to_dict()))) == case
+def test_case_round_trips_through_json_with_its_capabilities():
+    case = expand(config(implementations=[{"name": "fsdp", "options": {"x": 1}}]))[1]
+    back = Case.model_validate(json.loads(json.dumps(case.to_json_dict())))
+    assert back == case and back.case_id == case.case_id
+    assert back.capabilities is not None and back.capabilities.stages == frozenset({3})
 
 
 def test_case_ids_cannot_escape_the_results_directory():
-    case = suite.expand(config(implementations=["tests.plugins.faulty:FAULTY"]))[1]
+    case = expand(config(implementations=["tests.plugins.faulty:FAULTY"]))[1]
     assert "/" not in case.case_id and ":" not in case.case_id and not case.case_id.startswith(".")
 
 
@@ -103,17 +114,17 @@ def test_loss_and_parameter_differences(tmp_path):
     torch.save(off, tmp_path / "off.pt")
     ok = equivalence.verdict(losses=[2.0, 1.5], reference_losses=[2.0, 1.5], params_path=tmp_path / "same.pt",
                              reference_params_path=tmp_path / "ref.pt", precision="fp32", reference_case="r")
-    assert ok["equivalent"] and ok["max_rel_loss_diff"] == 0
+    assert ok.equivalent and ok.max_rel_loss_diff == 0
     bad = equivalence.verdict(losses=[2.0, 1.5], reference_losses=[2.0, 1.5], params_path=tmp_path / "off.pt",
                               reference_params_path=tmp_path / "ref.pt", precision="fp32", reference_case="r")
-    assert not bad["equivalent"] and bad["worst_parameter"] == "w"
-    assert bad["max_rel_param_diff"] == pytest.approx(0.001 / 5 ** 0.5, rel=1e-3)  # model-wide L2: |d| / ||ref||
+    assert not bad.equivalent and bad.worst_parameter == "w"
+    assert bad.max_rel_param_diff == pytest.approx(0.001 / 5 ** 0.5, rel=1e-3)  # model-wide L2: |d| / ||ref||
     drift = equivalence.verdict(losses=[2.0, 1.50003], reference_losses=[2.0, 1.5], params_path=tmp_path / "same.pt",
                                 reference_params_path=tmp_path / "ref.pt", precision="fp32", reference_case="r")
-    assert not drift["equivalent"] and "loss" in drift["reason"]
+    assert not drift.equivalent and "loss" in drift.reason
     missing = equivalence.verdict(losses=[1.0], reference_losses=[1.0], params_path=None,
                                   reference_params_path=tmp_path / "ref.pt", precision="fp32", reference_case="r")
-    assert not missing["equivalent"]
+    assert not missing.equivalent
 
 
 # --- formulas ---------------------------------------------------------------------------------------------
@@ -136,18 +147,20 @@ def test_formulas_fp32():
 
 def test_store_round_trip(tmp_path):
     run = store.RunDir(tmp_path, store.new_run_id())
-    run.start({"suite": {"name": "t"}, "git_sha": "abc"})
-    cfg = suite.expand(config())[0].to_dict()
-    record = {"case_id": cfg["case_id"], "config": cfg, "status": "ok", "summary": {"step_time_median_s": 0.5},
-              "steps": [{"step": i, "loss": 2.0 - i, "step_time_s": 0.5, "warmup": i == 0} for i in range(3)]}
+    run.start(RunInfo(run_id=run.run_id, suite=SuiteInfo(name="t"), git_sha="abc"))
+    case = expand(config())[0]
+    record = CaseRecord(config=case, status="ok", summary=StepTimeSummary(step_time_median_s=0.5),
+                        steps=[StepSample(step=i, loss=2.0 - i, step_time_s=0.5, warmup=i == 0) for i in range(3)])
     run.write_case(record)
     run.finish()
+    raw = json.loads(run.case_path(case.case_id).read_text())
+    assert raw["schema_version"] == SCHEMA_VERSION and raw["run_id"] == run.run_id
+    assert raw["case_id"] == case.case_id and raw["config"]["implementation"] == "ddp"
     back = run.cases()[0]
-    assert back["schema_version"] == store.SCHEMA_VERSION and back["run_id"] == run.run_id
-    assert back["steps"] == record["steps"]
-    assert run.run_info()["ended_at"]
+    assert back.steps == record.steps and back.config == case and back.run_id == run.run_id
+    assert store.RunDir(tmp_path, run.run_id).info().ended_at
     df = store.load_cases(tmp_path)
-    assert df.loc[0, "case_id"] == cfg["case_id"] and df.loc[0, "step_time_median_s"] == 0.5
+    assert df.loc[0, "case_id"] == case.case_id and df.loc[0, "step_time_median_s"] == 0.5
     steps = store.load_steps(tmp_path)
     assert steps["loss"].tolist() == [2.0, 1.0, 0.0] and steps["warmup"].tolist() == [True, False, False]
     assert store.latest_run(tmp_path).run_id == run.run_id
@@ -155,8 +168,8 @@ def test_store_round_trip(tmp_path):
 
 def test_atomic_write_replaces_whole_file(tmp_path):
     target = tmp_path / "x.json"
-    store.atomic_write_json(target, {"a": 1})
-    store.atomic_write_json(target, {"a": 2})
+    atomic_write_json(target, {"a": 1})
+    atomic_write_json(target, {"a": 2})
     assert json.loads(target.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
 
@@ -174,14 +187,16 @@ def test_nvml_sampler_reports_unavailable_instead_of_failing():
 
 
 def test_energy_per_step_counts_the_timed_steps_only():
-    from zbench.record import energy_summary
+    from zbench.aggregate import energy_summary
+    from zbench.record import NvmlSummary
 
-    rank = {"available": True, "peak_used_bytes": 10, "energy_j": 1000.0, "energy_timed_j": 300.0}
-    out = energy_summary([{"nvml": rank}, {"nvml": dict(rank, energy_timed_j=100.0)}], steps=12, warmup_steps=2,
+    rank = NvmlSummary(available=True, peak_used_bytes=10, energy_j=1000.0, energy_timed_j=300.0)
+    out = energy_summary([rank, rank.model_copy(update={"energy_timed_j": 100.0})], timed_steps=10,
                          tokens_per_step=1000)
-    assert out["energy_j"] == 2000.0 and out["energy_timed_j"] == 400.0
-    assert out["energy_per_step_j"] == 40.0 and out["energy_per_token_j"] == 0.04
-    assert energy_summary([{"nvml": None}], steps=3, warmup_steps=1, tokens_per_step=1)["available"] is False
+    assert out.energy_j == 2000.0 and out.energy_timed_j == 400.0
+    assert out.energy_per_step_j == 40.0 and out.energy_per_token_j == 0.04
+    assert energy_summary([NvmlSummary(available=False, reason="CPU run")], timed_steps=2,
+                          tokens_per_step=1).available is False
 
 
 def test_mfu_uses_the_gpu_peak_and_can_be_overridden(monkeypatch):
@@ -208,6 +223,7 @@ def test_shipped_suites_are_valid(path):
 def test_ledger_records_collectives_and_logical_labels():
     import torch.distributed as dist
 
+    from zbench.comm_labels import recorded_as
     from zbench.launch import free_port
     from zbench.measure import comms
 
@@ -219,7 +235,7 @@ def test_ledger_records_collectives_and_logical_labels():
         t = torch.ones(10)
         dist.all_reduce(t)
         dist.broadcast(t, 0)
-        with comms.recorded_as("reduce_scatter", 10):
+        with recorded_as("reduce_scatter", 10):
             dist.all_reduce(t)
         got = {(e["op"], e["dtype"]): (e["count"], e["elements"], e["bytes"]) for e in comms.take()}
         assert got == {("all_reduce", "float32"): (1, 20, 80), ("broadcast", "float32"): (1, 10, 40),

@@ -1,4 +1,4 @@
-"""What the ranks of a case handed back, turned into the case's stored record (design §4).
+"""What the ranks of a case handed back, turned into the case's stored record.
 
 Per step: the loss averaged over ranks, the slowest rank's time, rank 0's phase
 split and engine metrics. Per case: step-time statistics, peak memory, model
@@ -25,6 +25,7 @@ from zbench.record import (
     LocationTotal,
     MemorySummary,
     ModelState,
+    NvmlSummary,
     OpVolume,
     PhaseSummary,
     StepSample,
@@ -75,7 +76,7 @@ def measured(record: CaseRecord, ranks: list[RankResult]) -> CaseRecord:
         "throughput": Throughput(**derived(get_config(case.model), tokens_per_step=tokens, step_time_s=median,
                                            world=case.world_size, precision=case.precision, gpu_name=gpu_name),
                                  gpu_name=gpu_name) if median else None,
-        "energy": energy_summary(ranks, case.timed_steps, tokens),
+        "energy": energy_summary([r.nvml for r in ranks], case.timed_steps, tokens),
         "time_to_target": time_to_target(steps, case.target_loss),
         "model_parameters": params,
         "steps": steps,
@@ -92,7 +93,7 @@ def measured(record: CaseRecord, ranks: list[RankResult]) -> CaseRecord:
 
 
 def comm_summary(case: Case, ranks: list[RankResult], params: int) -> CommSummary:
-    """Per step and rank: collectives by kind, their logical volume, and theory (design §5)."""
+    """Per step and rank: collectives by kind, their logical volume, and theory (docs/methods.md)."""
     timed = range(case.warmup_steps, case.steps)
     busiest = max(ranks, key=lambda r: sum(e.elements for i in timed for e in r.comms[i]))
     per_step = [sum(e.elements for e in busiest.comms[i]) for i in timed]
@@ -130,9 +131,8 @@ def comm_to_compute(comms: CommSummary, phases: PhaseSummary) -> float | None:
     return comms.est_time_s / compute if comms.est_time_s is not None and compute > 0 else None
 
 
-def energy_summary(ranks: list[RankResult], timed_steps: int, tokens_per_step: int) -> EnergySummary:
+def energy_summary(nvml: list[NvmlSummary], timed_steps: int, tokens_per_step: int) -> EnergySummary:
     """nvml figures per rank; energy per step and per token over the timed steps, summed over ranks (all GPUs)."""
-    nvml = [r.nvml for r in ranks]
     if not all(n.available for n in nvml):
         return EnergySummary(available=False, reason=next((n.reason for n in nvml if not n.available), ""))
     energy = [n.energy_j for n in nvml]
@@ -158,7 +158,7 @@ def time_to_target(steps: list[StepSample], target: float | None) -> TimeToTarge
 
 
 def model_state(case: Case, ranks: list[RankResult]) -> ModelState:
-    """Measured bytes (the fullest rank) by category and location next to the formulas' placement (design §5)."""
+    """Measured bytes (the fullest rank) by category and location next to the formulas' placement (docs/methods.md)."""
     per_rank = [r.state_bytes for r in ranks]
     fullest = max(per_rank, key=lambda s: sum(sum(v.values()) for v in s.values()))
     measured = {c: {loc: fullest.get(c, {}).get(loc, 0) for loc in LOCATIONS} for c in CATEGORIES}

@@ -45,7 +45,7 @@ def _value(f: Finding, v: float | str | None) -> str:
 
 
 def _rows(result: CheckResult) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for f in result.findings:
         change = "" if f.change_pct is None else f"{f.change_pct:+.1f}%"
         p = "" if f.p_value is None else f"p={f.p_value:.1e}"

@@ -25,10 +25,10 @@ DEFAULT_PRECISION: Precision = "bf16"
 DEFAULT_RESULTS = Path("results")
 
 ResultsOpt = Annotated[Optional[Path], typer.Option(
-    "--results", envvar="ZBENCH_RESULTS", show_default="results, or $ZBENCH_RESULTS",
+    "--results", envvar="ZBENCH_RESULTS", show_default="results",
     help="Directory that holds one sub-directory per run.")]
 ResultsArg = Annotated[Optional[Path], typer.Argument(
-    metavar="[RESULTS]", show_default=False,
+    metavar="RESULTS", show_default=False,
     help="Same as --results: a results directory (its newest run) or one run's directory.")]
 ReportOpt = Annotated[Path, typer.Option("--report", help="Directory the HTML report (index.html) is written to.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
@@ -98,8 +98,8 @@ def run(
 
 @app.command()
 def compare(
-    a: Annotated[str, typer.Argument(help="First implementation (name or module:attribute).")],
-    b: Annotated[str, typer.Argument(help="Second implementation.")],
+    a: Annotated[str, typer.Argument(metavar="A", help="First implementation (name or module:attribute).")],
+    b: Annotated[str, typer.Argument(metavar="B", help="Second implementation.")],
     gpus: Annotated[Optional[int], typer.Option(help="Run on this many GPUs (NCCL). Bad input if fewer are present.")] = None,
     device: DeviceOpt = "auto",
     nproc: Annotated[Optional[int], typer.Option(help="Ranks (processes) when not using --gpus; default: all GPUs, or 2 on CPU.")] = None,
@@ -187,7 +187,7 @@ def plan(
     if not 0 <= reserve < 1:
         raise UsageError(f"--reserve: {reserve} is not in [0, 1)")
     cfg = PRESETS[model] if model else None
-    n = cfg.num_parameters if cfg else int(params)
+    n = cfg.num_parameters if cfg else int(params or 0)
     rows = plan_mod.plan(params=n, gpus=gpus, precision=precision, cfg=cfg, reserve=reserve, gpus_per_node=gpus_per_node,
                          gpu_memory_bytes=gpu_memory * 2**30 if gpu_memory else None)
     if as_json:
@@ -331,6 +331,6 @@ def main(argv: list[str] | None = None) -> None:
             raise
         ctx = getattr(exc, "ctx", None)
         hint = f" (see 'zbench {ctx.info_name} --help')" if ctx and ctx.info_name != "zbench" else " (see 'zbench --help')"
-        print(f"zbench: error: {exc.format_message()}{hint}", file=sys.stderr)
+        print(f"zbench: error: {exc.format_message()}{hint}", file=sys.stderr)  # type: ignore[attr-defined]
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)

@@ -102,6 +102,9 @@ class Progress:
         if self._bar is not None and self._task is not None:
             self._bar.advance(self._task)
 
+    def note(self, text: str) -> None:
+        self._print(escape(text))
+
     def case_reused(self, index: int, case: Case, record: CaseRecord) -> None:
         self._print(escape(f"{self._prefix(index, case)}: already stored ({record.status}), not run again"))
         if self._bar is not None and self._task is not None:

@@ -1,4 +1,4 @@
-"""The ZeRO paper's per-rank model-state formulas (design §5), by category.
+"""The ZeRO paper's per-rank model-state formulas (docs/methods.md), by category.
 
 Ψ parameters, N data-parallel ranks. ``stage`` 0 is plain data parallelism
 (DDP). For fp32 training a parameter costs params 4 + grads 4 + optimizer K

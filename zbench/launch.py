@@ -77,10 +77,10 @@ def _spawn(task: WorkerTask, files: CaseFiles, port: int) -> list[subprocess.Pop
     procs: list[subprocess.Popen[bytes]] = []
     for rank in range(case.world_size):
         log = open(files.log(rank), "wb")
-        group = {"process_group": 0 if rank == 0 else procs[0].pid}
         procs.append(subprocess.Popen([sys.executable, "-m", "zbench.worker", str(files.workdir)],
                                       env=_env(rank, case.world_size, port, case.device), stdin=subprocess.DEVNULL,
-                                      stdout=log, stderr=subprocess.STDOUT, **group))
+                                      stdout=log, stderr=subprocess.STDOUT,
+                                      process_group=0 if rank == 0 else procs[0].pid))
         log.close()
     return procs
 

@@ -10,6 +10,7 @@ modelled: ``reserve`` keeps that share of each GPU free for them.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from zbench.formulas import offload_supported, placement
 from zbench.values import OFFLOAD_MODES, STAGES
@@ -67,5 +68,5 @@ def plan(*, params: int, gpus: int, precision: str = "bf16", gpu_memory_bytes: f
     return rows
 
 
-def as_json(rows: list[PlanRow], **header) -> dict:
+def as_json(rows: list[PlanRow], **header: Any) -> dict[str, Any]:
     return {**header, "rows": [{**asdict(r), "name": r.name} for r in rows]}

@@ -44,7 +44,7 @@ class GPTConfig:
         return self.embedding_parameters + self.layers * self.block_parameters + 2 * self.d_model + self.d_model * self.vocab
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6·(Ψ − embeddings) + attention (design §5)."""
+        """Training FLOPs per token: 6·(Ψ − embeddings) + attention (docs/methods.md)."""
         return 6 * (self.num_parameters - self.embedding_parameters) + 6 * self.layers * self.heads * self.head_dim * self.seq
 
 

@@ -1,4 +1,4 @@
-"""The stored case record (design §4): one typed object from the runner to the store, the gate and the report.
+"""The stored case record: one typed object from the runner to the store, the gate and the report.
 
 ``CaseRecord`` is what ``results/<run-id>/cases/<case-id>.json`` holds. Every
 reader (equivalence, ``zbench check``, ``compare``, history, the report, the
@@ -105,7 +105,7 @@ class OpVolume(_Part):
 
 
 class CommSummary(_Part):
-    """Collectives per step and rank (logical ring volume), next to theory (design §5)."""
+    """Collectives per step and rank (logical ring volume), next to theory (docs/methods.md)."""
 
     elements_per_step: int
     bytes_per_step: int

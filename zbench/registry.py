@@ -33,4 +33,4 @@ def resolve(name: str) -> Implementation:
         raise LookupError(f"implementation {name!r} ({target}) has no {', '.join(map(repr, missing))}; "
                           "see zbench.protocol.Implementation (zbench.protocol.ImplementationBase supplies "
                           "expected_comm_elements)")
-    return obj  # type: ignore[no-any-return]  # checked member by member above
+    return obj  # checked member by member above

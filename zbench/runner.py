@@ -91,10 +91,14 @@ def _run_cases(suite: Suite, run: RunDir, resume: str | None, progress: Progress
         if case.case_id in records:
             progress.case_reused(index, case, records[case.case_id])
             continue
+        if not case.skip_reason and not case.is_reference and references.lost_params(case):
+            reference = references.find(case)
+            assert reference is not None  # lost_params says it exists
+            progress.note(f"[{index}/{len(suite.cases)}] re-running the DDP reference {reference.case_id}: "
+                          "its final parameters were deleted when the run finished")
+            _store(_run_guarded(reference.config, run, references, index, progress), run, records, references)
         record = skipped_record(case) if case.skip_reason else _run_guarded(case, run, references, index, progress)
-        run.write_case(record)
-        records[case.case_id] = record
-        references.add(record)
+        _store(record, run, records, references)
         progress.case_done(index, case, record)
     for record in references.release_params():
         records[record.case_id] = record
@@ -102,6 +106,12 @@ def _run_cases(suite: Suite, run: RunDir, resume: str | None, progress: Progress
     ordered = [records[c.case_id] for c in suite.cases if c.case_id in records]
     progress.summary(ordered)
     return RunResult(run=run, records=ordered)
+
+
+def _store(record: CaseRecord, run: RunDir, records: dict[str, CaseRecord], references: References) -> None:
+    run.write_case(record)
+    records[record.case_id] = record
+    references.add(record)
 
 
 class References:
@@ -124,6 +134,12 @@ class References:
 
     def find(self, case: Case) -> CaseRecord | None:
         return self._by_key.get(case.reference_key)
+
+    def lost_params(self, case: Case) -> bool:
+        """The case's reference finished but its parameters are gone (a finished run, resumed)."""
+        reference = self.find(case)
+        return reference is not None and reference.ok and (
+            reference.params_file is None or not (self.run.path / reference.params_file).exists())
 
     def release_params(self) -> list[CaseRecord]:
         """Delete the references' parameter files (unless kept); the records, rewritten without them."""

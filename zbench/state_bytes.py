@@ -32,7 +32,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None], *, compute_device: torc
     (which an engine reports as ``host`` itself).
     """
     seen: set[tuple[str, int]] = set()
-    out = {loc: 0 for loc in LOCATIONS}
+    out: dict[str, int] = {loc: 0 for loc in LOCATIONS}
     for t in tensors:
         if t is None:
             continue

@@ -1,4 +1,4 @@
-"""Results on disk (design §4) and the pandas loaders that read them back.
+"""Results on disk and the pandas loaders that read them back.
 
 Layout::
 
@@ -17,16 +17,21 @@ from __future__ import annotations
 import datetime
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pydantic import ValidationError
 
 from zbench.atomic import atomic_write_json
+from zbench.errors import UsageError
 from zbench.record import CaseRecord
 from zbench.run_info import RunInfo
 
 if TYPE_CHECKING:
     import pandas as pd
+
+T = TypeVar("T")
 
 
 def now() -> str:
@@ -83,7 +88,7 @@ class RunDir:
 
     def info(self) -> RunInfo:
         if self._info is None:
-            self._info = RunInfo.read(self.info_path)
+            self._info = _read(RunInfo.read, self.info_path)
         return self._info
 
     def finish(self) -> None:
@@ -93,10 +98,19 @@ class RunDir:
         atomic_write_json(self.case_path(record.case_id), record.model_copy(update={"run_id": self.run_id}).to_json_dict())
 
     def cases(self) -> list[CaseRecord]:
-        return [CaseRecord.read(p) for p in sorted(self.cases_dir.glob("*.json"))]
+        return [_read(CaseRecord.read, p) for p in sorted(self.cases_dir.glob("*.json"))]
 
     def stored_case_ids(self) -> set[str]:
         return {p.stem for p in self.cases_dir.glob("*.json")}
+
+
+def _read(reader: Callable[[Path], T], path: Path) -> T:
+    """A stored file, typed; one that is not valid JSON or does not fit its schema is bad input naming the file."""
+    try:
+        return reader(path)
+    except (ValueError, ValidationError) as exc:  # JSONDecodeError and pydantic's errors are ValueErrors
+        first = str(exc).strip().splitlines()
+        raise UsageError(f"{path}: not a zbench result file this version can read ({first[0] if first else exc})") from None
 
 
 def run_dirs(results: Path) -> Iterator[RunDir]:

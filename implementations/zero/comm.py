@@ -36,7 +36,7 @@ DONE: Handle = _Done()
 class _SliceOnWait:
     """An in-place all-reduce that, once waited for, leaves this rank's slice of the sum in ``out``."""
 
-    def __init__(self, work, out: torch.Tensor, mine: torch.Tensor) -> None:
+    def __init__(self, work: Handle, out: torch.Tensor, mine: torch.Tensor) -> None:
         self.work, self.out, self.mine = work, out, mine
 
     def wait(self) -> None:

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from zbench.implementations._common import accumulate
 from zbench.implementations.zero import checkpoint
-from zbench.implementations.zero.comm import Comm
+from zbench.implementations.zero.comm import Comm, Handle
 from zbench.implementations.zero.flat import partition_by_numel
+from zbench.implementations.zero.grads import GradBucket, InFlight
 from zbench.implementations.zero.loop import forward_backward
+from zbench.implementations.zero.optim import ShardedOptimizer
 from zbench.implementations.zero.options import ZeroOptions
-from zbench.implementations.zero.params import ReplicatedParams
+from zbench.implementations.zero.params import ReplicatedParams, ShardedParams
 from zbench.implementations.zero.placement import Placement
+from zbench.implementations.zero.precision import LossScaler
 from zbench.implementations.zero.state import gather_full_parameters
 from zbench.protocol import MicroBatch, TrainSpec
 
@@ -31,8 +36,11 @@ class ShardedEngine:
     """
 
     stage: int
+    groups: list[ReplicatedParams]
+    optimizer: ShardedOptimizer
+    scaler: LossScaler
 
-    def _begin(self, model: nn.Module, spec: TrainSpec, group) -> None:
+    def _begin(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         """What every stage sets up first: options, communicator, parameter names and the offload placement."""
         self.model, self.spec = model, spec
         self.options = ZeroOptions.from_spec(spec)
@@ -50,7 +58,7 @@ class ShardedEngine:
             groups.append(group)
         return groups
 
-    def flat_groups(self) -> list:
+    def flat_groups(self) -> Sequence[ReplicatedParams | ShardedParams]:
         return self.groups
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -81,8 +89,8 @@ class ShardedEngine:
         fragmentation); gloo runs two collectives at a time anyway, and on NCCL ``wait`` does not
         block the host, so nothing is lost.
         """
-        inflight: deque = deque()
-        for group in self.flat_groups():
+        inflight: deque[Handle] = deque()
+        for group in self.groups:
             inflight.append(group.all_gather(async_op=True))
             if len(inflight) > GATHERS_IN_FLIGHT:
                 inflight.popleft().wait()
@@ -103,6 +111,9 @@ class ReducedEachMicroBatch(ShardedEngine):
     A subclass sets ``buckets`` and ``inflight``; ``after_micro_batch`` is where stage 3 frees the
     gathered parameters that backward left behind.
     """
+
+    buckets: list[GradBucket]
+    inflight: InFlight
 
     def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         for bucket in self.buckets:

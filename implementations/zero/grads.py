@@ -19,7 +19,7 @@ Note: gradients are divided by the world size before the sum, as DDP does, so th
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -41,10 +41,14 @@ def copy_mean_part(view: torch.Tensor, grad: torch.Tensor, world: int) -> None:
 class _FedByAutograd:
     """A bucket that autograd fills: each parameter's post-accumulate-grad hook hands it to the bucket's ``add``."""
 
-    def attach(self, params: list[torch.Tensor]) -> None:
+    def attach(self, params: Sequence[torch.Tensor]) -> None:
         """Register the hooks on the group's parameters, in layout order."""
         for index, param in enumerate(params):
             param.register_post_accumulate_grad_hook(self._hook(index))
+
+    def add(self, index: int, param: torch.Tensor) -> None:
+        """Take ``param``'s freshly accumulated gradient (the ``index``-th of the group) and drop its ``.grad``."""
+        raise NotImplementedError
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def on_grad(param: torch.Tensor) -> None:
@@ -84,6 +88,7 @@ class AccumulatedGradBucket(_FedByAutograd):
 
     def add(self, index: int, param: torch.Tensor) -> None:
         view, grad = self._views[index], param.grad
+        assert grad is not None  # the hook runs once the gradient is accumulated
         if self._seen[index]:
             view.add_(grad)
         elif self._divide_on_the_way_in:
@@ -195,6 +200,7 @@ class GradBucket(_FedByAutograd):
     def add(self, index: int, param: torch.Tensor) -> None:
         if self._buffer is None:
             self._allocate()
+        assert param.grad is not None  # the hook runs once the gradient is accumulated
         copy_mean_part(self._views[index], param.grad, self.comm.world)
         param.grad = None
         if not self._arrived[index]:
@@ -213,6 +219,7 @@ class GradBucket(_FedByAutograd):
             return
         if self._buffer is None:
             self._allocate()
+        assert self._buffer is not None
         for view, arrived in zip(self._views, self._arrived):
             if not arrived:  # a parameter that got no gradient this micro-batch contributes zeros
                 view.zero_()
@@ -234,6 +241,7 @@ class GradBucket(_FedByAutograd):
         if self._work is None:
             return
         self._work.wait()
+        assert self._out is not None  # set with self._work
         self.grad_shard.fold(self._out, fresh=self._fresh)
         self._fresh = False
         self._finished = True

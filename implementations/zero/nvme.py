@@ -292,6 +292,7 @@ class DiskShard:
 
     def take(self) -> torch.Tensor:
         self.fetch()
+        assert self._read is not None and self._buffer is not None  # set by fetch
         self._read.result()
         buffer, self._read, self._buffer = self._buffer, None, None
         upload: Upload = self._h2d.start(buffer, owned=True)

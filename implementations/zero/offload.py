@@ -49,6 +49,7 @@ class DeviceToHost:
                 dst.copy_(src)
             return
         stream = self._stream
+        assert stream is not None  # created with self._cuda
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             src.record_stream(stream)  # its producer may free it on its own stream before this copy runs
@@ -115,12 +116,14 @@ class HostToDevice:
         """
         if not self._cuda:
             return Upload(host if owned else host.clone())
+        stream = self._stream
+        assert stream is not None  # created with self._cuda
         out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
             out.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self._stream)
+            event.record(stream)
         return Upload(out, event)
 
 
@@ -149,6 +152,7 @@ class HostShard:
     def take(self) -> torch.Tensor:
         self.fetch()
         upload, self._upload = self._upload, None
+        assert upload is not None  # set by fetch
         return upload.ready()
 
     def drop(self) -> None:

@@ -43,11 +43,13 @@ class ShardedOptimizer:
         norm = self._global_norm(grads) if self.clip is not None or self.scaler.enabled else None
         self.last_grad_norm = None if norm is None else float(norm)
         if self.scaler.enabled:
+            assert norm is not None
             overflow = not torch.isfinite(norm).item()
             self.scaler.update(overflow)
             if overflow:
                 return False
         if self.clip is not None:
+            assert norm is not None
             coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s arithmetic
             for g in grads:
                 g.mul_(coef.to(g.device))

@@ -57,8 +57,10 @@ class Placement:
     def param_tier(self, shard: torch.Tensor) -> ParamTier:
         """Stage 3: where this rank's compute-dtype parameter shard (``shard``, on the device) is kept."""
         if self.stage == 3 and self.offload == "optimizer+params":
+            assert self._h2d is not None
             return HostShard(shard, h2d=self._h2d)
         if self.stage == 3 and self.offload == "nvme":
+            assert self.swap is not None and self._h2d is not None
             return DiskShard(shard, swap=self.swap, h2d=self._h2d)
         return DeviceShard(shard)
 

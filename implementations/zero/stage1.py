@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from zbench.implementations._common import accumulate
 from zbench.implementations.zero.grads import AccumulatedGradBucket
@@ -28,7 +29,7 @@ class ZeRO1Engine(ShardedEngine):
 
     stage = 1
 
-    def __init__(self, model: nn.Module, spec: TrainSpec, group) -> None:
+    def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         self._begin(model, spec, group)
         reduce_dtype = self.options.reduce_dtype_for(spec)
         self.groups = self._replicated_groups(reduce_dtype)

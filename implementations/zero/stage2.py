@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from zbench.implementations.zero.grads import GradBucket, InFlight
 from zbench.implementations.zero.engine import ReducedEachMicroBatch
@@ -25,7 +26,7 @@ class ZeRO2Engine(ReducedEachMicroBatch):
 
     stage = 2
 
-    def __init__(self, model: nn.Module, spec: TrainSpec, group) -> None:
+    def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         self._begin(model, spec, group)
         reduce_dtype = self.options.reduce_dtype_for(spec)
         self.groups = self._replicated_groups(reduce_dtype)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from zbench.implementations.zero.grads import GradBucket, InFlight
 from zbench.implementations.zero.engine import ReducedEachMicroBatch
@@ -81,18 +83,18 @@ class Schedule:
         if 0 <= fetch < len(self.blocks):
             self.blocks[fetch].fetch()
 
-    def before_model_forward(self, module: nn.Module, args) -> None:
+    def before_model_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self.root is not None:
             self.root.unshard(async_op=True)
         self._prefetch(range(self.prefetch), fetch=self.prefetch)
         if self.root is not None:
             self.root.wait()
 
-    def before_block_forward(self, i: int, module: nn.Module, args) -> None:
+    def before_block_forward(self, i: int, module: nn.Module, args: tuple[Any, ...]) -> None:
         self.blocks[i].unshard()
         self._prefetch(range(i + 1, i + 1 + self.prefetch), fetch=i + 1 + self.prefetch)
 
-    def after_block_forward(self, i: int, module: nn.Module, args, output) -> None:
+    def after_block_forward(self, i: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         backward_follows = torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad
         if backward_follows:
             output.register_hook(partial(self.before_block_backward, i))
@@ -119,7 +121,7 @@ class ZeRO3Engine(ReducedEachMicroBatch):
 
     stage = 3
 
-    def __init__(self, model: nn.Module, spec: TrainSpec, group) -> None:
+    def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         self._begin(model, spec, group)
         root, blocks = split_units(model)
         dtype = spec.compute_dtype
@@ -153,7 +155,7 @@ class ZeRO3Engine(ReducedEachMicroBatch):
         gradients = Held(device=[p.grad for p in params]) + total(b.grad_shard.held() for b in self.buckets)
         return zero_state_bytes(parameters=parameters, gradients=gradients, placement=self.placement)
 
-    def flat_groups(self) -> list:
+    def flat_groups(self) -> Sequence[ShardedParams]:
         return self.units
 
     def refresh_parameters(self) -> None:

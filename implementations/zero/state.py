@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from zbench.implementations.zero.comm import Comm
 from zbench.implementations.zero.flat import FlatLayout
 from zbench.state_bytes import empty_state_bytes
+
+if TYPE_CHECKING:
+    from zbench.implementations.zero.placement import Placement
 
 
 @dataclass
@@ -21,13 +25,13 @@ class Held:
     ``host``, apart from the compute copy.
     """
 
-    device: list[torch.Tensor | None] = field(default_factory=list)
-    host: list[torch.Tensor | None] = field(default_factory=list)
+    device: Sequence[torch.Tensor | None] = field(default_factory=list)
+    host: Sequence[torch.Tensor | None] = field(default_factory=list)
     disk: int = 0
     """Bytes in files (their sizes on disk as ``os.stat`` reports them)."""
 
     def __add__(self, other: Held) -> Held:
-        return Held(self.device + other.device, self.host + other.host, self.disk + other.disk)
+        return Held([*self.device, *other.device], [*self.host, *other.host], self.disk + other.disk)
 
     def bytes(self) -> dict[str, int]:
         """Bytes by location, each storage counted once (views of one flat buffer are one buffer)."""
@@ -50,7 +54,7 @@ def total(held: Iterable[Held]) -> Held:
     return sum(held, Held())
 
 
-def zero_state_bytes(*, parameters: Held, gradients: Held, placement) -> dict[str, dict[str, int]]:
+def zero_state_bytes(*, parameters: Held, gradients: Held, placement: Placement) -> dict[str, dict[str, int]]:
     """Bytes by category and location, measured from what is held (a freed stage-3 buffer holds zero bytes).
 
     ``parameters`` and ``gradients`` are what the stage holds itself (the model's parameters, its

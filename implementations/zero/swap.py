@@ -38,7 +38,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable in place (any dtype, bf16 included)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("swap I/O needs a contiguous host tensor")
-    return memoryview(t.detach().view(torch.uint8).numpy()).cast("B")
+    return t.detach().view(torch.uint8).numpy().data.cast("B")
 
 
 class SwapFile:
@@ -138,7 +138,7 @@ class SwapDir:
             self._files[category] = SwapFile(self.path / f"{category}.bin")
         return self._files[category]
 
-    def submit(self, fn: Callable, *args) -> Future:
+    def submit(self, fn: Callable[..., object], *args: object) -> Future:
         """Run ``fn(*args)`` on the I/O thread, after everything submitted before."""
         return self._io.submit(fn, *args)
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -42,17 +44,17 @@ _entries: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])  # (
 _library: torch.library.Library | None = None
 
 
-def _flatten(arg) -> list[torch.Tensor]:
+def _flatten(arg: Any) -> list[torch.Tensor]:
     if isinstance(arg, torch.Tensor):
         return [arg]
     return [t for item in arg for t in _flatten(item)]
 
 
-def _kernel(op_name: str):
+def _kernel(op_name: str) -> Callable[..., Any]:
     name, index, factor = _OPS[op_name]
     op = getattr(torch.ops.c10d, op_name).default
 
-    def record_and_forward(*args, **kwargs):
+    def record_and_forward(*args: Any, **kwargs: Any) -> Any:
         tensors = _flatten(args[index])
         label = comm_labels.current()
         if label is not None:  # the caller said what these collectives stand for: record that, once

@@ -1,4 +1,4 @@
-"""Model FLOPs, achieved TFLOP/s and MFU (design §5): 6·(Ψ − embeddings) + attention FLOPs per token.
+"""Model FLOPs, achieved TFLOP/s and MFU (docs/methods.md): 6·(Ψ − embeddings) + attention FLOPs per token.
 
 Peak throughput is looked up by GPU name (dense bf16/fp16 tensor-core figures)
 and can be overridden with ``ZBENCH_PEAK_TFLOPS``. fp32 runs are measured

@@ -5,8 +5,11 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def synchronize(device: torch.device) -> None:
@@ -15,7 +18,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], *, device: torch.device, barrier: Callable[[], None]) -> tuple[object, float]:
+def timed(fn: Callable[[], T], *, device: torch.device, barrier: Callable[[], None]) -> tuple[T, float]:
     """Run ``fn`` from a barrier (every rank starts together) and return its result and this rank's wall time.
 
     There is no closing barrier: the record takes the slowest rank's time of each step, which is
