@@ -98,3 +98,22 @@ def test_the_wheel_ships_implementations_inside_zbench(tmp_path):
     assert "zbench/implementations/zero/stage3.py" in names and "zbench/implementations/ddp.py" in names
     assert not [n for n in names if n.startswith("implementations/")]
     assert "zbench/report/templates/index.html.j2" in names
+
+
+#: Fields of the stored records (case, run) that a module might be tempted to look up by string.
+RECORD_KEYS = ("case_id|config|status|summary|steps|equivalence|memory|model_state|comms|phases|throughput|energy|"
+               "time_to_target|params_file|ratio_to_ddp|error|skip_reason|stderr_tail|warnings|suite|environment|"
+               "started_at|ended_at|run_id|case_order|git_sha|step_time_s|loss|warmup|equivalent|reason|peak_bytes|"
+               "measured_total|expected_total|step_time_median_s|by_op|by_location|per_rank|implementation|"
+               "precision|gpus|cpu_count|regression|name")
+
+
+def test_stored_records_are_read_through_their_types():
+    """Outside the record modules nobody indexes a stored record by string (``r["status"]``, ``r.get("summary")``)."""
+    pattern = re.compile(rf'\["({RECORD_KEYS})"\]|\.get\("({RECORD_KEYS})"')
+    typed = {ROOT / "zbench" / "record.py", ROOT / "zbench" / "run_info.py"}
+    offenders = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+                 for p in [*(ROOT / "zbench").rglob("*.py"), *(ROOT / "zbench").rglob("*.j2")]
+                 if p not in typed and "implementations" not in p.parts
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []
