@@ -22,7 +22,9 @@ def grad_scaler(spec: TrainSpec) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(spec.device.type, enabled=spec.precision == "fp16")
 
 
-def accumulate(micro_batches: list[MicroBatch], forward_backward: Callable[[MicroBatch, bool], torch.Tensor]) -> torch.Tensor:
+def accumulate(
+    micro_batches: list[MicroBatch], forward_backward: Callable[[MicroBatch, bool], torch.Tensor]
+) -> torch.Tensor:
     """Run ``forward_backward(batch, is_last)`` over every micro-batch; return the mean loss, detached."""
     total = torch.zeros((), device=micro_batches[0][0].device)
     for i, batch in enumerate(micro_batches):

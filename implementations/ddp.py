@@ -8,8 +8,8 @@ from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
 from zbench.implementations._common import accumulate, autocast, full_parameters_of, grad_scaler, maybe
-from zbench.state_bytes import module_state_bytes
 from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, TrainSpec
+from zbench.state_bytes import module_state_bytes
 
 
 class DDPEngine(EngineBase):

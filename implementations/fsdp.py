@@ -19,19 +19,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zbench.implementations._common import accumulate, full_parameters_of
-from zbench.state_bytes import module_state_bytes, moved_to_host
 from zbench.presets import GPTConfig
 from zbench.protocol import Capabilities, EngineBase, MicroBatch, TrainSpec
+from zbench.state_bytes import module_state_bytes, moved_to_host
 
 
 class FSDPEngine(EngineBase):
     def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         self.spec = spec
         mesh = DeviceMesh.from_group(group, spec.device.type) if group is not None else None
-        policy = MixedPrecisionPolicy(param_dtype=spec.compute_dtype if spec.precision != "fp32" else None,
-                                      reduce_dtype=torch.float32)
-        offload = (CPUOffloadPolicy(pin_memory=spec.device.type == "cuda") if spec.offload == "optimizer+params"
-                   else OffloadPolicy())
+        policy = MixedPrecisionPolicy(
+            param_dtype=spec.compute_dtype if spec.precision != "fp32" else None, reduce_dtype=torch.float32
+        )
+        offload = (
+            CPUOffloadPolicy(pin_memory=spec.device.type == "cuda")
+            if spec.offload == "optimizer+params"
+            else OffloadPolicy()
+        )
         for block in getattr(model, "blocks", []):
             fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
         sharded = fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
@@ -63,8 +67,12 @@ class FSDPEngine(EngineBase):
 
 class FSDP:
     name = "fsdp"
-    capabilities = Capabilities(stages=frozenset({3}), precisions=frozenset({"fp32", "bf16"}),
-                                offload=frozenset({"none", "optimizer+params"}), offload_keeps_master=False)
+    capabilities = Capabilities(
+        stages=frozenset({3}),
+        precisions=frozenset({"fp32", "bf16"}),
+        offload=frozenset({"none", "optimizer+params"}),
+        offload_keeps_master=False,
+    )
 
     def expected_comm_elements(self, cfg: GPTConfig, world: int) -> int:
         """Design's 3Ψ less one gather of the root unit: FSDP2 keeps the root's parameters gathered from

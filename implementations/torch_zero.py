@@ -7,9 +7,9 @@ from torch.distributed import ProcessGroup
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from zbench.implementations.ddp import DDPEngine
-from zbench.state_bytes import module_state_bytes, optimizer_tensors, tensor_bytes
 from zbench.presets import GPTConfig
 from zbench.protocol import Capabilities, TrainSpec
+from zbench.state_bytes import module_state_bytes, optimizer_tensors, tensor_bytes
 
 
 class TorchZeroEngine(DDPEngine):

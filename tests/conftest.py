@@ -30,17 +30,33 @@ def child_env(**extra: str) -> dict[str, str]:
 def zbench(*args: str, cwd: Path = ROOT, timeout: float = 600) -> CLIResult:
     """Run ``python -m zbench ARGS`` the way a user would (a fresh process, real files)."""
     env = child_env(COLUMNS="200")
-    proc = subprocess.run([sys.executable, "-m", "zbench", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zbench", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
     return CLIResult(proc.returncode, proc.stdout, proc.stderr)
 
 
 def zbench_many(arg_lists: list[list[str]], cwd: Path = ROOT, timeout: float = 300) -> list[CLIResult]:
     """Run several CLI invocations concurrently (each pays torch's import once; together they overlap)."""
     env = child_env(COLUMNS="200")
-    procs = [subprocess.Popen([sys.executable, "-m", "zbench", *args], cwd=cwd, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-             for args in arg_lists]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "zbench", *args],
+            cwd=cwd,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
+        for args in arg_lists
+    ]
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=timeout)
@@ -59,16 +75,25 @@ def launch_rank_scripts(script: str, worlds: tuple[int, ...], base: Path, *, lab
     for world in worlds:
         out = base / f"world{world}"
         out.mkdir()
-        procs[world] = [subprocess.Popen([sys.executable, script, str(world), str(rank), str(out)], env=env,
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         stdin=subprocess.DEVNULL) for rank in range(world)]
+        procs[world] = [
+            subprocess.Popen(
+                [sys.executable, script, str(world), str(rank), str(out)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                stdin=subprocess.DEVNULL,
+            )
+            for rank in range(world)
+        ]
     results, failures = {}, []
     for world, ranks in procs.items():
         logs = [p.communicate(timeout=600)[0] for p in ranks]
         files = [base / f"world{world}" / f"rank{r}.pt" for r in range(world)]
         if any(p.returncode for p in ranks) or not all(f.exists() for f in files):
-            failures.append(f"world {world}: exit codes {[p.returncode for p in ranks]}\n" +
-                            "\n".join(log[-3000:] for log in logs))
+            failures.append(
+                f"world {world}: exit codes {[p.returncode for p in ranks]}\n" + "\n".join(log[-3000:] for log in logs)
+            )
             continue
         results[world] = {r: torch.load(f, weights_only=True) for r, f in enumerate(files)}
     print(f"{label}: {time.perf_counter() - start:.1f}s")

@@ -73,20 +73,46 @@ def answers(tmp_path_factory):
         ["check", "--results", "/no/such/results"],
     ]
     results = zbench_many(invocations)
-    return dict(zip([c[0] for c in CASES] + ["gpus-8", "compare-unknown", "compare-missing-arg", "run-no-suite",
-                                             "unknown-command", "compare-unknown-model", "compare-zero-steps",
-                                             "unknown-flag", "plan-no-model", "plan-unknown-model",
-                                             "compare-unsupported", "compare-bad-precision", "report-no-results",
-                                             "check-no-results"], results)), tmp
+    return dict(
+        zip(
+            [c[0] for c in CASES]
+            + [
+                "gpus-8",
+                "compare-unknown",
+                "compare-missing-arg",
+                "run-no-suite",
+                "unknown-command",
+                "compare-unknown-model",
+                "compare-zero-steps",
+                "unknown-flag",
+                "plan-no-model",
+                "plan-unknown-model",
+                "compare-unsupported",
+                "compare-bad-precision",
+                "report-no-results",
+                "check-no-results",
+            ],
+            results,
+        )
+    ), tmp
 
 
 EXPECT = {c[0]: c[3] for c in CASES} | {
-    "gpus-8": "cuda", "compare-unknown": "unknown implementation 'nope'", "compare-missing-arg": "Missing argument",
-    "run-no-suite": "Missing argument", "unknown-command": "No such command", "compare-unknown-model": "unknown model 'huge'",
-    "compare-zero-steps": "steps", "unknown-flag": "No such option",
-    "plan-no-model": "exactly one of --model", "plan-unknown-model": "unknown model 'gpt-7x'",
-    "compare-unsupported": "fsdp cannot run tiny at fp16", "compare-bad-precision": "'fp8' is not one of",
-    "report-no-results": "no runs found", "check-no-results": "no runs found"}
+    "gpus-8": "cuda",
+    "compare-unknown": "unknown implementation 'nope'",
+    "compare-missing-arg": "Missing argument",
+    "run-no-suite": "Missing argument",
+    "unknown-command": "No such command",
+    "compare-unknown-model": "unknown model 'huge'",
+    "compare-zero-steps": "steps",
+    "unknown-flag": "No such option",
+    "plan-no-model": "exactly one of --model",
+    "plan-unknown-model": "unknown model 'gpt-7x'",
+    "compare-unsupported": "fsdp cannot run tiny at fp16",
+    "compare-bad-precision": "'fp8' is not one of",
+    "report-no-results": "no runs found",
+    "check-no-results": "no runs found",
+}
 
 
 def test_the_table_is_big_enough():
@@ -95,7 +121,7 @@ def test_the_table_is_big_enough():
 
 @pytest.mark.parametrize("name", list(EXPECT))
 def test_one_clear_line_and_exit_2(answers, name):
-    results, tmp = answers
+    results, _ = answers
     r = results[name]
     assert r.returncode == 2, (name, r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()

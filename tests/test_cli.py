@@ -8,11 +8,9 @@ precision; a heartbeat off a terminal; final parameters deleted unless kept; ``z
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -37,9 +35,15 @@ def env_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "cli.yaml").write_text(SUITE)
     env = child_env(ZBENCH_RESULTS=str(tmp / "results"), ZBENCH_HEARTBEAT_S="0.2", COLUMNS="200")
-    proc = subprocess.run([sys.executable, "-m", "zbench", "run", str(tmp / "cli.yaml"), "--report", str(tmp / "rep"),
-                           "--keep-params"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zbench", "run", str(tmp / "cli.yaml"), "--report", str(tmp / "rep"), "--keep-params"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
     return proc, tmp
 
 
@@ -52,8 +56,10 @@ def test_results_from_the_environment_and_params_kept(env_run):
     proc, tmp = env_run
     assert proc.returncode == 0, proc.stderr
     (run,) = list((tmp / "results").iterdir())
-    assert sorted(p.name for p in (run / "params").iterdir()) == ["tiny-ddp-s0-w1-fp32-none.pt",
-                                                                   "tiny-torch_zero-s1-w1-fp32-none.pt"]
+    assert sorted(p.name for p in (run / "params").iterdir()) == [
+        "tiny-ddp-s0-w1-fp32-none.pt",
+        "tiny-torch_zero-s1-w1-fp32-none.pt",
+    ]
     for case in (run / "cases").glob("*.json"):
         assert json.loads(case.read_text())["params_file"].startswith("params/")
 
@@ -70,8 +76,14 @@ def test_every_results_reader_takes_the_option_the_argument_and_the_variable(env
     results = str(tmp / "results")
     by_option = zbench("report", "--results", results, "--report", str(tmp_path / "a"))
     by_argument = zbench("report", results, "--report", str(tmp_path / "b"))
-    by_env = subprocess.run([sys.executable, "-m", "zbench", "report", "--report", str(tmp_path / "c")], cwd=ROOT,
-                            env=child_env(ZBENCH_RESULTS=results), capture_output=True, text=True, timeout=300)
+    by_env = subprocess.run(
+        [sys.executable, "-m", "zbench", "report", "--report", str(tmp_path / "c")],
+        cwd=ROOT,
+        env=child_env(ZBENCH_RESULTS=results),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     for r in (by_option, by_argument, by_env):
         assert r.returncode == 0, r.stderr
     for name in "abc":
@@ -116,5 +128,3 @@ def test_plan_and_compare_share_the_default_precision():
         return inspect.signature(fn).parameters["precision"].default
 
     assert default(cli.plan) == default(cli.compare) == cli.DEFAULT_PRECISION
-
-

@@ -12,8 +12,20 @@ from tests.conftest import zbench
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compare")
-    return zbench("compare", "ddp", "torch_zero", "--device", "cpu", "--nproc", "2", "--steps", "6",
-                  "--results", str(tmp), "--json"), tmp
+    return zbench(
+        "compare",
+        "ddp",
+        "torch_zero",
+        "--device",
+        "cpu",
+        "--nproc",
+        "2",
+        "--steps",
+        "6",
+        "--results",
+        str(tmp),
+        "--json",
+    ), tmp
 
 
 def test_json_contract(compared):
@@ -22,8 +34,16 @@ def test_json_contract(compared):
     out = json.loads(result.stdout)
     assert [c["implementation"] for c in out["cases"]] == ["ddp", "torch_zero"]
     for case in out["cases"]:
-        for key in ("implementation", "status", "step_time_median_s", "ratio_to_ddp", "peak_memory_bytes",
-                    "model_state_bytes", "max_rel_loss_diff", "equivalent"):
+        for key in (
+            "implementation",
+            "status",
+            "step_time_median_s",
+            "ratio_to_ddp",
+            "peak_memory_bytes",
+            "model_state_bytes",
+            "max_rel_loss_diff",
+            "equivalent",
+        ):
             assert case[key] is not None, key
         assert case["status"] == "ok" and case["equivalent"] is True
     assert out["cases"][0]["ratio_to_ddp"] == 1.0
@@ -32,7 +52,16 @@ def test_json_contract(compared):
 
 
 def test_table(tmp_path):
-    result = zbench("compare", "ddp", "ddp", "--device", "cpu", "--nproc", "1", "--steps", "4", "--results", str(tmp_path))
+    result = zbench(
+        "compare", "ddp", "ddp", "--device", "cpu", "--nproc", "1", "--steps", "4", "--results", str(tmp_path)
+    )
     assert result.returncode == 0, result.stderr
-    for label in ("median step time", "ratio to DDP", "peak memory", "model state", "max rel loss diff", "equivalent to DDP"):
+    for label in (
+        "median step time",
+        "ratio to DDP",
+        "peak memory",
+        "model state",
+        "max rel loss diff",
+        "equivalent to DDP",
+    ):
         assert label in result.stdout

@@ -12,12 +12,22 @@ from zbench.report import render
 from zbench.run_info import Environment, RunInfo, SuiteInfo
 from zbench.store import RunDir
 
-KEYS = list(suite.SuiteConfig.model_fields) + ["bogus", "stage", "world"]
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 10), st.floats(allow_nan=True), st.text(max_size=12),
-                    st.sampled_from(["tiny", "ddp", "fsdp", "fp32", "cpu", "cuda", "none", "zero9", "a:b"]))
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                       st.dictionaries(st.sampled_from(KEYS + ["name", "lr"]), inner, max_size=3)),
-                      max_leaves=8)
+KEYS = [*suite.SuiteConfig.model_fields, "bogus", "stage", "world"]
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 10),
+    st.floats(allow_nan=True),
+    st.text(max_size=12),
+    st.sampled_from(["tiny", "ddp", "fsdp", "fp32", "cpu", "cuda", "none", "zero9", "a:b"]),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.sampled_from([*KEYS, "name", "lr"]), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
 documents = st.dictionaries(st.sampled_from(KEYS), values, max_size=8)
 
 
@@ -59,8 +69,13 @@ def test_yaml_tags_that_construct_objects_are_refused(tmp_path):
 
 def test_report_escapes_everything_it_did_not_write(tmp_path):
     run = RunDir(tmp_path, "r")
-    run.start(RunInfo(run_id="r", suite=SuiteInfo(name="<b>suite</b>", sha256="0" * 64, config={"warmup_steps": 1}),
-                      environment=Environment(zbench_version="x", torch="t", python="p", host="<i>h</i>", cpu_count=1)))
+    run.start(
+        RunInfo(
+            run_id="r",
+            suite=SuiteInfo(name="<b>suite</b>", sha256="0" * 64, config={"warmup_steps": 1}),
+            environment=Environment(zbench_version="x", torch="t", python="p", host="<i>h</i>", cpu_count=1),
+        )
+    )
     evil = "<script>alert(1)</script>"
     config = suite.from_dict({"device": "cpu", "models": "tiny", "implementations": "ddp", "world_sizes": 1})
     case = preflight.prepare(suite.from_flags(config)).cases[0]

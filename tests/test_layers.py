@@ -11,24 +11,36 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 #: What an implementation may import from zbench (the protocol and its helpers).
-ALLOWED_FOR_IMPLEMENTATIONS = {"zbench.protocol", "zbench.values", "zbench.presets", "zbench.state_bytes",
-                               "zbench.comm_labels", "zbench.implementations"}
+ALLOWED_FOR_IMPLEMENTATIONS = {
+    "zbench.protocol",
+    "zbench.values",
+    "zbench.presets",
+    "zbench.state_bytes",
+    "zbench.comm_labels",
+    "zbench.implementations",
+}
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(root)}
-    return subprocess.run([str(LINT_IMPORTS), "--config", str(root / "pyproject.toml"), "--no-cache"], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--config", str(root / "pyproject.toml"), "--no-cache"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def contracts() -> dict[str, dict]:
@@ -60,8 +72,12 @@ def test_a_planted_violation_of_each_contract_is_caught(tmp_path):
         target.write_text(target.read_text() + "\n" + line)
     r = lint_imports(copy)
     assert r.returncode != 0
-    for expected in ("zbench.implementations.ddp -> zbench.store", "zbench.measure.timing -> zbench.launch",
-                     "zbench.store -> zbench.report", "zbench.suite -> torch"):
+    for expected in (
+        "zbench.implementations.ddp -> zbench.store",
+        "zbench.measure.timing -> zbench.launch",
+        "zbench.store -> zbench.report",
+        "zbench.suite -> torch",
+    ):
         assert expected in r.stdout, (expected, r.stdout[-4000:])
     assert r.stdout.count("BROKEN") == len(contracts())
 
@@ -77,8 +93,12 @@ def test_every_zbench_module_is_allowed_or_forbidden_for_implementations():
 
 def test_nothing_imports_a_top_level_implementations_module():
     pattern = re.compile(r"^\s*(from|import)\s+implementations\b", re.M)
-    offenders = [str(p.relative_to(ROOT)) for folder in ("zbench", "implementations", "tests")
-                 for p in (ROOT / folder).rglob("*.py") if pattern.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for folder in ("zbench", "implementations", "tests")
+        for p in (ROOT / folder).rglob("*.py")
+        if pattern.search(p.read_text())
+    ]
     assert offenders == []
 
 
@@ -90,8 +110,12 @@ def test_the_wheel_ships_implementations_inside_zbench(tmp_path):
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "zbench", source / "zbench", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "implementations", source / "implementations", ignore=shutil.ignore_patterns("__pycache__"))
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"),
-                        str(source)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (wheel,) = (tmp_path / "dist").glob("zbench-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -101,19 +125,24 @@ def test_the_wheel_ships_implementations_inside_zbench(tmp_path):
 
 
 #: Fields of the stored records (case, run) that a module might be tempted to look up by string.
-RECORD_KEYS = ("case_id|config|status|summary|steps|equivalence|memory|model_state|comms|phases|throughput|energy|"
-               "time_to_target|params_file|ratio_to_ddp|error|skip_reason|stderr_tail|warnings|suite|environment|"
-               "started_at|ended_at|run_id|case_order|git_sha|step_time_s|loss|warmup|equivalent|reason|peak_bytes|"
-               "measured_total|expected_total|step_time_median_s|by_op|by_location|per_rank|implementation|"
-               "precision|gpus|cpu_count|regression|name")
+RECORD_KEYS = (
+    "case_id|config|status|summary|steps|equivalence|memory|model_state|comms|phases|throughput|energy|"
+    "time_to_target|params_file|ratio_to_ddp|error|skip_reason|stderr_tail|warnings|suite|environment|"
+    "started_at|ended_at|run_id|case_order|git_sha|step_time_s|loss|warmup|equivalent|reason|peak_bytes|"
+    "measured_total|expected_total|step_time_median_s|by_op|by_location|per_rank|implementation|"
+    "precision|gpus|cpu_count|regression|name"
+)
 
 
 def test_stored_records_are_read_through_their_types():
     """Outside the record modules nobody indexes a stored record by string (``r["status"]``, ``r.get("summary")``)."""
     pattern = re.compile(rf'\["({RECORD_KEYS})"\]|\.get\("({RECORD_KEYS})"')
     typed = {ROOT / "zbench" / "record.py", ROOT / "zbench" / "run_info.py"}
-    offenders = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
-                 for p in [*(ROOT / "zbench").rglob("*.py"), *(ROOT / "zbench").rglob("*.j2")]
-                 if p not in typed and "implementations" not in p.parts
-                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    offenders = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in [*(ROOT / "zbench").rglob("*.py"), *(ROOT / "zbench").rglob("*.j2")]
+        if p not in typed and "implementations" not in p.parts
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert offenders == []

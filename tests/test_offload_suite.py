@@ -30,8 +30,12 @@ nvme_dir: {nvme}
 """
 
 #: (implementation, offload) -> why it is skipped (a fragment of the reason)
-SKIPPED = {("zero1", "optimizer+params"): "not supported", ("zero2", "optimizer+params"): "not supported",
-           ("fsdp", "optimizer"): "not supported", ("fsdp", "nvme"): "not supported"}
+SKIPPED = {
+    ("zero1", "optimizer+params"): "not supported",
+    ("zero2", "optimizer+params"): "not supported",
+    ("fsdp", "optimizer"): "not supported",
+    ("fsdp", "nvme"): "not supported",
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +46,10 @@ def offload_run(tmp_path_factory):
     (tmp / "suite.yaml").write_text(SUITE.format(nvme=nvme))
     result = zbench("run", str(tmp / "suite.yaml"), "--results", str(tmp / "results"), "--report", str(tmp / "report"))
     (run_dir,) = list((tmp / "results").iterdir())
-    records = {(c["config"]["implementation"], c["config"]["offload"]): c
-               for c in (json.loads(p.read_text()) for p in (run_dir / "cases").glob("*.json"))}
+    records = {
+        (c["config"]["implementation"], c["config"]["offload"]): c
+        for c in (json.loads(p.read_text()) for p in (run_dir / "cases").glob("*.json"))
+    }
     return result, records, nvme, tmp
 
 
@@ -62,9 +68,16 @@ def test_unsupported_combinations_are_skipped_with_their_reason(offload_run):
 def test_every_supported_mode_trains_like_ddp(offload_run):
     _, records, _, _ = offload_run
     ran = {k: r for k, r in records.items() if r["status"] != "skipped" and k[0] != "ddp"}
-    assert set(ran) == {("fsdp", "optimizer+params"), ("zero1", "optimizer"), ("zero1", "nvme"),
-                        ("zero2", "optimizer"), ("zero2", "nvme"), ("zero3", "optimizer"),
-                        ("zero3", "optimizer+params"), ("zero3", "nvme")}
+    assert set(ran) == {
+        ("fsdp", "optimizer+params"),
+        ("zero1", "optimizer"),
+        ("zero1", "nvme"),
+        ("zero2", "optimizer"),
+        ("zero2", "nvme"),
+        ("zero3", "optimizer"),
+        ("zero3", "optimizer+params"),
+        ("zero3", "nvme"),
+    }
     for key, r in ran.items():
         assert r["status"] == "ok", (key, r.get("error"), r.get("stderr_tail", "")[-2000:])
         eq = r["equivalence"]

@@ -8,8 +8,8 @@ import pytest
 
 from tests.conftest import zbench
 from zbench.formulas import placement
-from zbench.presets import PRESETS
 from zbench.plan import plan
+from zbench.presets import PRESETS
 
 PSI = PRESETS["gpt-70b"].num_parameters
 

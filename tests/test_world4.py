@@ -25,8 +25,10 @@ def world4(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("w4")
     (tmp / "s.yaml").write_text(SUITE)
     r = zbench("run", str(tmp / "s.yaml"), "--results", str(tmp / "results"), "--report", str(tmp / "rep"))
-    cases = {json.loads(p.read_text())["config"]["implementation"]: json.loads(p.read_text())
-             for p in (tmp / "results").glob("*/cases/*.json")}
+    cases = {
+        json.loads(p.read_text())["config"]["implementation"]: json.loads(p.read_text())
+        for p in (tmp / "results").glob("*/cases/*.json")
+    }
     return r, cases
 
 
@@ -52,4 +54,9 @@ def test_model_state_within_2_percent_of_formula(world4, impl):
 def test_communication_within_5_percent_of_theory(world4, impl):
     _, cases = world4
     comms = cases[impl]["comms"]
-    assert abs(comms["error_rel"]) <= 0.05, (impl, comms["elements_per_step"], comms["expected_elements"], comms["by_op"])
+    assert abs(comms["error_rel"]) <= 0.05, (
+        impl,
+        comms["elements_per_step"],
+        comms["expected_elements"],
+        comms["by_op"],
+    )

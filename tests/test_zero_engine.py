@@ -84,6 +84,7 @@ def scenarios(world: int) -> dict[str, dict]:
 
 # --- what each rank runs (this file executed as a script) ------------------------------------------------
 
+
 def _build(impl: str, spec_kwargs: dict, options: dict, group):
     from zbench import registry
     from zbench.models import build_model
@@ -137,8 +138,10 @@ def _run(engine, *, spec_kwargs: dict, steps: range, rank: int, world: int) -> t
 def _held_by_stage_layout(engine) -> dict:
     """What a rank holds between steps that the stage promises not to hold."""
     params = list(engine.module.parameters()) if hasattr(engine, "module") else list(engine.model.parameters())
-    return {"param_grads_none": all(p.grad is None for p in params),
-            "param_storage_bytes": sum(p.untyped_storage().nbytes() for p in params)}
+    return {
+        "param_grads_none": all(p.grad is None for p in params),
+        "param_storage_bytes": sum(p.untyped_storage().nbytes() for p in params),
+    }
 
 
 def rank_main(world: int, rank: int, out: Path) -> None:
@@ -147,8 +150,13 @@ def rank_main(world: int, rank: int, out: Path) -> None:
     from zbench.models import build_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out / 'store'}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     group = dist.group.WORLD
     results: dict = {}
     for name, sc in scenarios(world).items():
@@ -163,19 +171,26 @@ def rank_main(world: int, rank: int, out: Path) -> None:
             if sc.get("checkpoint") and impl in ZEROS:
                 losses, metrics = _run(engine, spec_kwargs=sc["spec"], steps=range(SAVE_AT), rank=rank, world=world)
                 engine.save(out / "ckpt" / name / impl)
-                more, more_metrics = _run(engine, spec_kwargs=sc["spec"], steps=range(SAVE_AT, sc["steps"]),
-                                          rank=rank, world=world)
+                more, more_metrics = _run(
+                    engine, spec_kwargs=sc["spec"], steps=range(SAVE_AT, sc["steps"]), rank=rank, world=world
+                )
                 losses, metrics = losses + more, metrics + more_metrics
                 resumed = _build(impl, sc["spec"], options, group)
                 resumed.load(out / "ckpt" / name / impl)
-                rec["resumed_losses"], _ = _run(resumed, spec_kwargs=sc["spec"], steps=range(SAVE_AT, sc["steps"]),
-                                                rank=rank, world=world)
+                rec["resumed_losses"], _ = _run(
+                    resumed, spec_kwargs=sc["spec"], steps=range(SAVE_AT, sc["steps"]), rank=rank, world=world
+                )
                 rec["resumed_params"] = resumed.full_parameters()
             else:
                 losses, metrics = _run(engine, spec_kwargs=sc["spec"], steps=range(sc["steps"]), rank=rank, world=world)
             groups = getattr(engine, "groups", None) or getattr(engine, "units", None) or [None]
-            rec.update(losses=losses, metrics=metrics, held=_held_by_stage_layout(engine), flat_groups=len(groups),
-                       state_bytes=engine.state_bytes() if impl in ZEROS else None)
+            rec.update(
+                losses=losses,
+                metrics=metrics,
+                held=_held_by_stage_layout(engine),
+                flat_groups=len(groups),
+                state_bytes=engine.state_bytes() if impl in ZEROS else None,
+            )
             rec["params"] = engine.full_parameters()
             if rank != 0:  # rank 0 keeps the (identical) gathered parameters
                 for key in ("params", "resumed_params", "initial"):
@@ -222,6 +237,7 @@ def assert_matches_ddp(result: dict, impl: str, *, tol: float = FP32_TOL) -> Non
 
 
 # --- fp32 equivalence with DDP ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("impl", ZEROS)
@@ -285,6 +301,7 @@ def test_fp16_overflow_skips_step_and_halves_scale(runs, impl):
 
 # --- checkpoints ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("world", (2, 3))
 @pytest.mark.parametrize("impl", ZEROS)
 def test_checkpoint_resume_continues_identically(runs, world, impl):
@@ -303,22 +320,31 @@ def test_checkpoint_is_one_file_per_rank_loaded_weights_only(tmp_path):
     layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(3)))], world=1)
     checkpoint.save(tmp_path, {"x": torch.ones(2)}, comm=comm, stage=2, layouts=[layout])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank00000.pt"]
-    assert torch.equal(checkpoint.load(tmp_path, comm=comm, stage=2, layouts=[layout], device=torch.device("cpu"))["x"],
-                       torch.ones(2))
+    assert torch.equal(
+        checkpoint.load(tmp_path, comm=comm, stage=2, layouts=[layout], device=torch.device("cpu"))["x"], torch.ones(2)
+    )
     with pytest.raises(ValueError, match="stage"):
         checkpoint.load(tmp_path, comm=comm, stage=3, layouts=[layout], device=torch.device("cpu"))
 
 
 # --- what a rank holds ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("world,scenario,precision", [(2, "adamw", "fp32"), (4, "adamw", "fp32"),
-                                                      (2, "bf16", "bf16"), (4, "bf16", "bf16")])
+
+@pytest.mark.parametrize(
+    "world,scenario,precision", [(2, "adamw", "fp32"), (4, "adamw", "fp32"), (2, "bf16", "bf16"), (4, "bf16", "bf16")]
+)
 @pytest.mark.parametrize("impl", ZEROS)
 def test_state_bytes_match_the_zero_formulas(runs, world, scenario, precision, impl):
     params = PRESETS[MODEL].num_parameters
     stage = int(impl[-1])
-    expected = expected_state_bytes(params=params, world=world, stage=stage, precision=precision, optimizer="adamw",
-                                    master_weights=precision != "fp32")
+    expected = expected_state_bytes(
+        params=params,
+        world=world,
+        stage=stage,
+        precision=precision,
+        optimizer="adamw",
+        master_weights=precision != "fp32",
+    )
     for rank in range(world):
         rec = runs[world][rank][scenario][impl]
         held = rec["state_bytes"]
@@ -339,6 +365,7 @@ def test_between_steps_stage2_holds_no_full_gradient_and_stage3_no_full_paramete
 
 # --- the contract -----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name,stage", [("zero1", 1), ("zero2", 2), ("zero3", 3)])
 def test_registered_with_capabilities(name, stage):
     from zbench import registry
@@ -346,7 +373,9 @@ def test_registered_with_capabilities(name, stage):
     impl = registry.resolve(name)
     assert impl.name == name and impl.capabilities.stages == {stage}
     assert impl.capabilities.precisions == {"fp32", "bf16", "fp16"}
-    assert impl.capabilities.offload == ({"none", "optimizer", "nvme"} | ({"optimizer+params"} if stage == 3 else set()))
+    assert impl.capabilities.offload == (
+        {"none", "optimizer", "nvme"} | ({"optimizer+params"} if stage == 3 else set())
+    )
 
 
 def test_unknown_option_is_a_clear_error():
@@ -354,7 +383,7 @@ def test_unknown_option_is_a_clear_error():
     from zbench.models import build_model
     from zbench.protocol import TrainSpec
 
-    with pytest.raises(ValueError, match="unknown zero option.*bucket_sz"):
+    with pytest.raises(ValueError, match=r"unknown zero option.*bucket_sz"):
         ZERO2.build(build_model(MODEL, seed=0), TrainSpec(device=torch.device("cpu"), options={"bucket_sz": 1}), None)
 
 

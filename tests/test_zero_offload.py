@@ -30,7 +30,14 @@ if str(ROOT) not in sys.path:
 
 from tests.conftest import hand_back_and_exit, launch_rank_scripts  # noqa: E402
 from tests.test_zero_engine import (  # noqa: E402
-    BF16_LOSS_TOL, FP16_LOSS_TOL, FP32_TOL, MIXED_UPDATE_TOL, MODEL, _run, assert_matches_ddp, max_rel_loss_diff,
+    BF16_LOSS_TOL,
+    FP16_LOSS_TOL,
+    FP32_TOL,
+    MIXED_UPDATE_TOL,
+    MODEL,
+    _run,
+    assert_matches_ddp,
+    max_rel_loss_diff,
     update_error,
 )
 from zbench.formulas import placement  # noqa: E402
@@ -39,11 +46,21 @@ from zbench.presets import PRESETS  # noqa: E402
 STEPS = 20
 SAVE_AT = 10
 #: Every (implementation, offload) pair the engine supports besides "none".
-PAIRS = (("zero1", "optimizer"), ("zero1", "nvme"), ("zero2", "optimizer"), ("zero2", "nvme"),
-         ("zero3", "optimizer"), ("zero3", "optimizer+params"), ("zero3", "nvme"))
+PAIRS = (
+    ("zero1", "optimizer"),
+    ("zero1", "nvme"),
+    ("zero2", "optimizer"),
+    ("zero2", "nvme"),
+    ("zero3", "optimizer"),
+    ("zero3", "optimizer+params"),
+    ("zero3", "nvme"),
+)
 #: Small buckets and sub-groups, so the tiny model has several flat groups and streams many sub-groups.
-OPTIONS = {"zero1": {"bucket_mb": 0.1, "nvme_chunk_mb": 0.02}, "zero2": {"bucket_mb": 0.1, "nvme_chunk_mb": 0.02},
-           "zero3": {"nvme_chunk_mb": 0.02}}
+OPTIONS = {
+    "zero1": {"bucket_mb": 0.1, "nvme_chunk_mb": 0.02},
+    "zero2": {"bucket_mb": 0.1, "nvme_chunk_mb": 0.02},
+    "zero3": {"nvme_chunk_mb": 0.02},
+}
 BASE = dict(lr=1e-3, weight_decay=0.01)
 
 
@@ -54,17 +71,32 @@ def key(impl: str, offload: str) -> str:
 def scenarios(world: int) -> dict[str, dict]:
     """``{name: {"spec": TrainSpec kwargs, "pairs": ..., "steps": ..., "ddp": bool}}`` for one world size."""
     if world == 4:  # state bytes only
-        return {"fp32": dict(spec=BASE, pairs=PAIRS, steps=2, ddp=False),
-                "bf16": dict(spec=dict(BASE, precision="bf16"), pairs=PAIRS, steps=2, ddp=False)}
+        return {
+            "fp32": dict(spec=BASE, pairs=PAIRS, steps=2, ddp=False),
+            "bf16": dict(spec=dict(BASE, precision="bf16"), pairs=PAIRS, steps=2, ddp=False),
+        }
     return {
         "fp32": dict(spec=BASE, pairs=PAIRS, steps=STEPS, ddp=True),
-        "bf16": dict(spec=dict(BASE, precision="bf16"), steps=STEPS, ddp=True,
-                     pairs=(("zero1", "optimizer"), ("zero3", "optimizer+params"), ("zero3", "nvme"))),
-        "accum_clip": dict(spec=dict(BASE, eps=1e-5, grad_accum=2, grad_clip=0.5), steps=STEPS, ddp=True,
-                           pairs=(("zero1", "optimizer"), ("zero2", "nvme"), ("zero3", "optimizer+params"))),
+        "bf16": dict(
+            spec=dict(BASE, precision="bf16"),
+            steps=STEPS,
+            ddp=True,
+            pairs=(("zero1", "optimizer"), ("zero3", "optimizer+params"), ("zero3", "nvme")),
+        ),
+        "accum_clip": dict(
+            spec=dict(BASE, eps=1e-5, grad_accum=2, grad_clip=0.5),
+            steps=STEPS,
+            ddp=True,
+            pairs=(("zero1", "optimizer"), ("zero2", "nvme"), ("zero3", "optimizer+params")),
+        ),
         "fp16": dict(spec=dict(BASE, precision="fp16"), steps=STEPS, ddp=True, pairs=(("zero3", "nvme"),)),
-        "fp16_overflow": dict(spec=dict(BASE, precision="fp16"), steps=2, ddp=False, pairs=(("zero2", "nvme"),),
-                              options={"initial_loss_scale": 2.0**40}),
+        "fp16_overflow": dict(
+            spec=dict(BASE, precision="fp16"),
+            steps=2,
+            ddp=False,
+            pairs=(("zero2", "nvme"),),
+            options={"initial_loss_scale": 2.0**40},
+        ),
     }
 
 
@@ -74,14 +106,21 @@ RESUMES = {"zero3/nvme": "nvme", "zero1/optimizer": "optimizer", "zero2/nvme": "
 
 # --- what each rank runs (this file executed as a script) ------------------------------------------------
 
-def _build(impl: str, spec_kwargs: dict, *, offload: str = "none", options: dict | None = None, nvme_dir=None,
-           group=None):
+
+def _build(
+    impl: str, spec_kwargs: dict, *, offload: str = "none", options: dict | None = None, nvme_dir=None, group=None
+):
     from zbench import registry
     from zbench.models import build_model
     from zbench.protocol import TrainSpec
 
-    spec = TrainSpec(device=torch.device("cpu"), offload=offload, nvme_dir=str(nvme_dir) if nvme_dir else None,
-                     options=options or {}, **spec_kwargs)
+    spec = TrainSpec(
+        device=torch.device("cpu"),
+        offload=offload,
+        nvme_dir=str(nvme_dir) if nvme_dir else None,
+        options=options or {},
+        **spec_kwargs,
+    )
     return registry.resolve(impl).build(build_model(MODEL, seed=0), spec, group)
 
 
@@ -100,8 +139,13 @@ def rank_main(world: int, rank: int, out: Path) -> None:
     from zbench.models import build_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out / 'store'}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     group = dist.group.WORLD
     nvme_dir = out / "nvme"  # shared by every rank, as the harness's would be
     nvme_dir.mkdir(exist_ok=True)
@@ -114,8 +158,9 @@ def rank_main(world: int, rank: int, out: Path) -> None:
             losses, _ = _run(ddp, spec_kwargs=spec, steps=range(sc["steps"]), rank=rank, world=world)
             results[name]["ddp"] = {"losses": losses, "params": ddp.full_parameters()}
         if name == "fp16_overflow":
-            results[name]["initial"] = {n: p.detach().float().clone()
-                                        for n, p in build_model(MODEL, seed=0).named_parameters()}
+            results[name]["initial"] = {
+                n: p.detach().float().clone() for n, p in build_model(MODEL, seed=0).named_parameters()
+            }
         for impl, offload in sc["pairs"]:
             k = key(impl, offload)
             options = {**OPTIONS[impl], **sc.get("options", {})}
@@ -128,14 +173,20 @@ def rank_main(world: int, rank: int, out: Path) -> None:
                 losses, metrics = losses + more, metrics + more_metrics
                 resumed = _build(impl, spec, offload=RESUMES[k], options=options, nvme_dir=nvme_dir, group=group)
                 resumed.load(out / "ckpt" / k)
-                rec["resumed_losses"], _ = _run(resumed, spec_kwargs=spec, steps=range(SAVE_AT, STEPS), rank=rank,
-                                                world=world)
+                rec["resumed_losses"], _ = _run(
+                    resumed, spec_kwargs=spec, steps=range(SAVE_AT, STEPS), rank=rank, world=world
+                )
                 rec["resumed_params"] = resumed.full_parameters()
                 _close(resumed)
             else:
                 losses, metrics = _run(engine, spec_kwargs=spec, steps=range(sc["steps"]), rank=rank, world=world)
-            rec.update(losses=losses, metrics=metrics, state_bytes=engine.state_bytes(),
-                       flat_groups=len(engine.flat_groups()), params=engine.full_parameters())
+            rec.update(
+                losses=losses,
+                metrics=metrics,
+                state_bytes=engine.state_bytes(),
+                flat_groups=len(engine.flat_groups()),
+                params=engine.full_parameters(),
+            )
             rec.update(_close(engine))
             if rank != 0:  # rank 0 keeps the (identical) gathered parameters
                 for p in ("params", "resumed_params"):
@@ -174,6 +225,7 @@ def _vs_ddp(result: dict, k: str) -> dict:
 
 
 # --- equivalence with DDP ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("impl,offload", PAIRS)
 def test_fp32_offload_matches_ddp(runs, impl, offload):
@@ -224,6 +276,7 @@ def test_fp16_overflow_skips_the_streamed_step(runs):
 
 # --- checkpoints ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("k,resumed_as", RESUMES.items())
 def test_checkpoint_round_trip(runs, k, resumed_as):
     """Saved with the state read back from host or disk; resumed (under the same or another mode) identically."""
@@ -235,8 +288,10 @@ def test_checkpoint_round_trip(runs, k, resumed_as):
 
 # --- what a rank holds, and where ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("world,scenario,precision", [(2, "fp32", "fp32"), (2, "bf16", "bf16"),
-                                                      (4, "fp32", "fp32"), (4, "bf16", "bf16")])
+
+@pytest.mark.parametrize(
+    "world,scenario,precision", [(2, "fp32", "fp32"), (2, "bf16", "bf16"), (4, "fp32", "fp32"), (4, "bf16", "bf16")]
+)
 def test_state_bytes_by_location_match_placement(runs, world, scenario, precision):
     params = PRESETS[MODEL].num_parameters
     checked = 0
@@ -244,21 +299,35 @@ def test_state_bytes_by_location_match_placement(runs, world, scenario, precisio
         if "/" not in k:
             continue
         impl, offload = k.split("/")
-        want = placement(params=params, world=world, stage=int(impl[-1]), precision=precision, offload=offload,
-                         optimizer="adamw", master_weights=precision != "fp32")
+        want = placement(
+            params=params,
+            world=world,
+            stage=int(impl[-1]),
+            precision=precision,
+            offload=offload,
+            optimizer="adamw",
+            master_weights=precision != "fp32",
+        )
         for rank in range(world):
             rec = runs[world][rank][scenario][k]
             padding = rec["flat_groups"] * (world - 1) * 8  # each flat group pads to a multiple of world
             for category, by_location in want.items():
                 for location, expected in by_location.items():
                     got = rec["state_bytes"][category][location]
-                    assert abs(got - expected) <= 0.02 * expected + padding, (k, rank, category, location, got,
-                                                                                expected)
+                    assert abs(got - expected) <= 0.02 * expected + padding, (
+                        k,
+                        rank,
+                        category,
+                        location,
+                        got,
+                        expected,
+                    )
         checked += 1
     assert checked == len(scenarios(world)[scenario]["pairs"])
 
 
 # --- nvme files -------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_nvme_files_are_removed_by_close(runs, world):
@@ -275,8 +344,9 @@ def test_nvme_files_are_removed_by_close(runs, world):
 
 
 def _world1_nvme(tmp_path, impl="zero2", **spec):
-    return _build(impl, dict(BASE, **spec), offload="nvme", options={"nvme_chunk_mb": 0.02, "bucket_mb": 0.1},
-                  nvme_dir=tmp_path)
+    return _build(
+        impl, dict(BASE, **spec), offload="nvme", options={"nvme_chunk_mb": 0.02, "bucket_mb": 0.1}, nvme_dir=tmp_path
+    )
 
 
 def _step(engine, step: int):

@@ -40,18 +40,28 @@ def skipped_record(case: Case) -> CaseRecord:
     return CaseRecord(config=case, status="skipped", skip_reason=case.skip_reason)
 
 
-def failed_record(case: Case, error: str, *, stderr_tail: str = "", started_at: str | None = None,
-                  ended_at: str | None = None) -> CaseRecord:
+def failed_record(
+    case: Case, error: str, *, stderr_tail: str = "", started_at: str | None = None, ended_at: str | None = None
+) -> CaseRecord:
     """A case the harness could not run to the end for a reason of its own (not a rank's failure)."""
-    return CaseRecord(config=case, status="error", error=error, stderr_tail=stderr_tail, started_at=started_at,
-                      ended_at=ended_at)
+    return CaseRecord(
+        config=case, status="error", error=error, stderr_tail=stderr_tail, started_at=started_at, ended_at=ended_at
+    )
 
 
 def case_record(case: Case, outcome: Outcome, *, started_at: str, ended_at: str) -> CaseRecord:
-    record = CaseRecord(config=case, status=outcome.status, error=outcome.error,
-                        stderr_tail=outcome.stderr_tail if outcome.status != "ok" or outcome.warnings else "",
-                        exit_codes=outcome.exit_codes, rank_pids=outcome.pids, warnings=outcome.warnings,
-                        started_at=started_at, ended_at=ended_at, wall_s=outcome.wall_s)
+    record = CaseRecord(
+        config=case,
+        status=outcome.status,
+        error=outcome.error,
+        stderr_tail=outcome.stderr_tail if outcome.status != "ok" or outcome.warnings else "",
+        exit_codes=outcome.exit_codes,
+        rank_pids=outcome.pids,
+        warnings=outcome.warnings,
+        started_at=started_at,
+        ended_at=ended_at,
+        wall_s=outcome.wall_s,
+    )
     if outcome.status != "ok":
         return record
     return measured(record, sorted(outcome.ranks, key=lambda r: r.rank))
@@ -60,10 +70,17 @@ def case_record(case: Case, outcome: Outcome, *, started_at: str, ended_at: str)
 def measured(record: CaseRecord, ranks: list[RankResult]) -> CaseRecord:
     """``record`` with every figure derived from its ranks' results."""
     case = record.config
-    steps = [StepSample(step=i, loss=sum(r.losses[i] for r in ranks) / len(ranks),
-                        step_time_s=max(r.step_times_s[i] for r in ranks), warmup=i < case.warmup_steps,
-                        **ranks[0].phases[i].model_dump(), metrics=ranks[0].metrics[i])
-             for i in range(case.steps)]
+    steps = [
+        StepSample(
+            step=i,
+            loss=sum(r.losses[i] for r in ranks) / len(ranks),
+            step_time_s=max(r.step_times_s[i] for r in ranks),
+            warmup=i < case.warmup_steps,
+            **ranks[0].phases[i].model_dump(),
+            metrics=ranks[0].metrics[i],
+        )
+        for i in range(case.steps)
+    ]
     stats = summarize([s.step_time_s for s in steps if not s.warmup])
     median = stats["median"]
     tokens = case.tokens_per_step
@@ -72,24 +89,44 @@ def measured(record: CaseRecord, ranks: list[RankResult]) -> CaseRecord:
     phases = phase_summary(steps, ranks[0].clock)
     comms.comm_to_compute = comm_to_compute(comms, phases)
     gpu_name = ranks[0].gpu_name
-    return record.model_copy(update={
-        "throughput": Throughput(**derived(get_config(case.model), tokens_per_step=tokens, step_time_s=median,
-                                           world=case.world_size, precision=case.precision, gpu_name=gpu_name),
-                                 gpu_name=gpu_name) if median else None,
-        "energy": energy_summary([r.nvml for r in ranks], case.timed_steps, tokens),
-        "time_to_target": time_to_target(steps, case.target_loss),
-        "model_parameters": params,
-        "steps": steps,
-        "summary": StepTimeSummary(
-            step_time_median_s=median, step_time_iqr_s=stats["iqr"], step_time_q1_s=stats["q1"],
-            step_time_q3_s=stats["q3"], tokens_per_s=tokens / median if median else None,
-            tokens_per_s_per_rank=tokens / median / case.world_size if median else None, final_loss=steps[-1].loss),
-        "memory": MemorySummary(kind=ranks[0].memory.kind, peak_bytes=max(r.memory.bytes for r in ranks),
-                                per_rank=[r.memory for r in ranks]),
-        "model_state": model_state(case, ranks),
-        "comms": comms,
-        "phases": phases,
-    })
+    return record.model_copy(
+        update={
+            "throughput": Throughput(
+                **derived(
+                    get_config(case.model),
+                    tokens_per_step=tokens,
+                    step_time_s=median,
+                    world=case.world_size,
+                    precision=case.precision,
+                    gpu_name=gpu_name,
+                ),
+                gpu_name=gpu_name,
+            )
+            if median
+            else None,
+            "energy": energy_summary([r.nvml for r in ranks], case.timed_steps, tokens),
+            "time_to_target": time_to_target(steps, case.target_loss),
+            "model_parameters": params,
+            "steps": steps,
+            "summary": StepTimeSummary(
+                step_time_median_s=median,
+                step_time_iqr_s=stats["iqr"],
+                step_time_q1_s=stats["q1"],
+                step_time_q3_s=stats["q3"],
+                tokens_per_s=tokens / median if median else None,
+                tokens_per_s_per_rank=tokens / median / case.world_size if median else None,
+                final_loss=steps[-1].loss,
+            ),
+            "memory": MemorySummary(
+                kind=ranks[0].memory.kind,
+                peak_bytes=max(r.memory.bytes for r in ranks),
+                per_rank=[r.memory for r in ranks],
+            ),
+            "model_state": model_state(case, ranks),
+            "comms": comms,
+            "phases": phases,
+        }
+    )
 
 
 def comm_summary(case: Case, ranks: list[RankResult], params: int) -> CommSummary:
@@ -105,10 +142,17 @@ def comm_summary(case: Case, ranks: list[RankResult], params: int) -> CommSummar
     expected = ranks[0].expected_comm_elements
     bytes_per_step = sum(v.bytes for v in by_op.values())
     bandwidth = min((r.bus_bandwidth_bytes_per_s for r in ranks if r.bus_bandwidth_bytes_per_s), default=None)
-    return CommSummary(elements_per_step=median, bytes_per_step=bytes_per_step, per_step_elements=per_step,
-                       by_op=by_op, expected_elements=expected, design_elements=comm_theory(params, case.stage),
-                       error_rel=(median - expected) / expected if expected else None,
-                       bus_bandwidth_bytes_per_s=bandwidth, est_time_s=bytes_per_step / bandwidth if bandwidth else None)
+    return CommSummary(
+        elements_per_step=median,
+        bytes_per_step=bytes_per_step,
+        per_step_elements=per_step,
+        by_op=by_op,
+        expected_elements=expected,
+        design_elements=comm_theory(params, case.stage),
+        error_rel=(median - expected) / expected if expected else None,
+        bus_bandwidth_bytes_per_s=bandwidth,
+        est_time_s=bytes_per_step / bandwidth if bandwidth else None,
+    )
 
 
 def phase_summary(steps: list[StepSample], clock: str) -> PhaseSummary:
@@ -119,10 +163,13 @@ def phase_summary(steps: list[StepSample], clock: str) -> PhaseSummary:
         present = [v for v in values if v is not None]
         return statistics.median(present) if present else None
 
-    return PhaseSummary(clock=clock, device_step_s=median([s.device_step_s for s in timed]),
-                        forward_s=median([s.forward_s for s in timed]),
-                        backward_s=median([s.backward_s for s in timed]),
-                        optimizer_s=median([s.optimizer_s for s in timed]))
+    return PhaseSummary(
+        clock=clock,
+        device_step_s=median([s.device_step_s for s in timed]),
+        forward_s=median([s.forward_s for s in timed]),
+        backward_s=median([s.backward_s for s in timed]),
+        optimizer_s=median([s.optimizer_s for s in timed]),
+    )
 
 
 def comm_to_compute(comms: CommSummary, phases: PhaseSummary) -> float | None:
@@ -140,10 +187,14 @@ def energy_summary(nvml: list[NvmlSummary], timed_steps: int, tokens_per_step: i
     total = sum(e for e in energy if e is not None) if all(e is not None for e in energy) else None
     timed_total = sum(e for e in timed if e is not None) if all(e is not None for e in timed) else None
     return EnergySummary(
-        available=True, per_rank=nvml, peak_used_bytes=max(n.peak_used_bytes or 0 for n in nvml),
-        energy_j=total, energy_timed_j=timed_total,
+        available=True,
+        per_rank=nvml,
+        peak_used_bytes=max(n.peak_used_bytes or 0 for n in nvml),
+        energy_j=total,
+        energy_timed_j=timed_total,
         energy_per_step_j=timed_total / timed_steps if timed_total is not None else None,
-        energy_per_token_j=timed_total / (timed_steps * tokens_per_step) if timed_total is not None else None)
+        energy_per_token_j=timed_total / (timed_steps * tokens_per_step) if timed_total is not None else None,
+    )
 
 
 def time_to_target(steps: list[StepSample], target: float | None) -> TimeToTarget | None:
@@ -152,8 +203,12 @@ def time_to_target(steps: list[StepSample], target: float | None) -> TimeToTarge
         return None
     for s in steps:
         if s.loss <= target:
-            return TimeToTarget(target_loss=target, reached=True, steps=s.step + 1,
-                                seconds=sum(x.step_time_s for x in steps[: s.step + 1]))
+            return TimeToTarget(
+                target_loss=target,
+                reached=True,
+                steps=s.step + 1,
+                seconds=sum(x.step_time_s for x in steps[: s.step + 1]),
+            )
     return TimeToTarget(target_loss=target, reached=False)
 
 
@@ -169,7 +224,13 @@ def model_state(case: Case, ranks: list[RankResult]) -> ModelState:
         by_location[loc] = LocationTotal(measured=m, predicted=p, error_rel=(m - p) / p if p else None)
     measured_total = sum(v.measured for v in by_location.values())
     expected_total = sum(v.predicted for v in by_location.values())
-    return ModelState(measured=measured, predicted=predicted, by_location=by_location,
-                      expected={c: sum(predicted[c].values()) for c in CATEGORIES}, per_rank=per_rank,
-                      measured_total=measured_total, expected_total=expected_total,
-                      error_rel=(measured_total - expected_total) / expected_total if expected_total else None)
+    return ModelState(
+        measured=measured,
+        predicted=predicted,
+        by_location=by_location,
+        expected={c: sum(predicted[c].values()) for c in CATEGORIES},
+        per_rank=per_rank,
+        measured_total=measured_total,
+        expected_total=expected_total,
+        error_rel=(measured_total - expected_total) / expected_total if expected_total else None,
+    )

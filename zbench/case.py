@@ -62,8 +62,14 @@ class Case(BaseModel):
     def case_id(self) -> str:
         """A readable, filesystem-safe id unique within a run."""
         impl = re.sub(r"[^A-Za-z0-9_.+-]", "_", self.implementation)
-        parts = [self.model, impl, f"s{self.stage}", f"w{self.world_size}", self.precision,
-                 self.offload.replace("+", "_")]
+        parts = [
+            self.model,
+            impl,
+            f"s{self.stage}",
+            f"w{self.world_size}",
+            self.precision,
+            self.offload.replace("+", "_"),
+        ]
         if self.options:
             parts.append(hashlib.sha1(repr(tuple(sorted(self.options.items()))).encode()).hexdigest()[:6])
         return "-".join(parts)
@@ -71,9 +77,22 @@ class Case(BaseModel):
     @property
     def reference_key(self) -> tuple[Any, ...]:
         """Cases with the same key train the same thing and are compared with the same DDP case."""
-        return (self.model, self.world_size, self.precision, self.device, self.steps, self.micro_batch,
-                self.grad_accum, self.seq_len, self.seed, self.optimizer, self.lr, self.weight_decay,
-                self.momentum, self.grad_clip)
+        return (
+            self.model,
+            self.world_size,
+            self.precision,
+            self.device,
+            self.steps,
+            self.micro_batch,
+            self.grad_accum,
+            self.seq_len,
+            self.seed,
+            self.optimizer,
+            self.lr,
+            self.weight_decay,
+            self.momentum,
+            self.grad_clip,
+        )
 
     @property
     def is_reference(self) -> bool:
@@ -93,10 +112,20 @@ class Case(BaseModel):
 
     def train_spec(self, device: torch.device, *, swap_dir: str | None = None) -> TrainSpec:
         """How every rank's engine trains; ``swap_dir`` is this case's private NVMe directory, if it has one."""
-        return TrainSpec(device=device, precision=self.precision, optimizer=self.optimizer, lr=self.lr,
-                         weight_decay=self.weight_decay, momentum=self.momentum, grad_clip=self.grad_clip,
-                         grad_accum=self.grad_accum, stage=self.stage, offload=self.offload, nvme_dir=swap_dir,
-                         options=dict(self.options))
+        return TrainSpec(
+            device=device,
+            precision=self.precision,
+            optimizer=self.optimizer,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            momentum=self.momentum,
+            grad_clip=self.grad_clip,
+            grad_accum=self.grad_accum,
+            stage=self.stage,
+            offload=self.offload,
+            nvme_dir=swap_dir,
+            options=dict(self.options),
+        )
 
     def to_json_dict(self) -> dict[str, Any]:
         """The stored form (with ``case_id`` for people reading the file; it is derived again on load)."""

@@ -26,8 +26,10 @@ def run(results: Path, baseline: str, *, time_pct: float | None, memory_pct: flo
     if baseline == "latest":
         base = latest_baseline(results if (results / candidate.run_id).exists() else results.parent, candidate)
         if base is None:
-            raise UsageError(f"no baseline for run {candidate.run_id}: no earlier run of the same suite on this "
-                             "machine; pass --baseline DIR")
+            raise UsageError(
+                f"no baseline for run {candidate.run_id}: no earlier run of the same suite on this "
+                "machine; pass --baseline DIR"
+            )
     else:
         base = _newest(Path(baseline), "--baseline")
         if machine_fingerprint(base.info()) != machine_fingerprint(candidate.info()):
@@ -49,8 +51,17 @@ def _rows(result: CheckResult) -> list[tuple[str, ...]]:
     for f in result.findings:
         change = "" if f.change_pct is None else f"{f.change_pct:+.1f}%"
         p = "" if f.p_value is None else f"p={f.p_value:.1e}"
-        rows.append((f.kind.upper() if f.kind != "improvement" else f.kind, f.case_id, f.metric,
-                     _value(f, f.baseline), _value(f, f.candidate), " ".join(x for x in (change, p) if x), f.detail))
+        rows.append(
+            (
+                f.kind.upper() if f.kind != "improvement" else f.kind,
+                f.case_id,
+                f.metric,
+                _value(f, f.baseline),
+                _value(f, f.candidate),
+                " ".join(x for x in (change, p) if x),
+                f.detail,
+            )
+        )
     return rows
 
 
@@ -59,11 +70,15 @@ HEADER = ("verdict", "case", "metric", "baseline", "candidate", "change", "detai
 
 def headline(result: CheckResult) -> str:
     t = result.thresholds
-    return (f"{result.verdict.upper()}: run {result.candidate} vs baseline {result.baseline}: {result.compared} cases compared, "
-            f"{sum(f.kind == 'regression' for f in result.findings)} regressions, "
-            f"{sum(f.kind == 'failure' for f in result.findings)} failures, "
-            f"{sum(f.kind == 'improvement' for f in result.findings)} improvements "
-            f"(time > {t.time_pct:g}% and p < {t.p_value:g}; memory > {t.memory_pct:g}% and > {fmt_bytes(t.memory_floor_bytes)})")
+    return (
+        f"{result.verdict.upper()}: run {result.candidate} vs baseline {result.baseline}: "
+        f"{result.compared} cases compared, "
+        f"{sum(f.kind == 'regression' for f in result.findings)} regressions, "
+        f"{sum(f.kind == 'failure' for f in result.findings)} failures, "
+        f"{sum(f.kind == 'improvement' for f in result.findings)} improvements "
+        f"(time > {t.time_pct:g}% and p < {t.p_value:g}; "
+        f"memory > {t.memory_pct:g}% and > {fmt_bytes(t.memory_floor_bytes)})"
+    )
 
 
 def print_text(result: CheckResult, console: Console) -> None:
@@ -84,5 +99,7 @@ def markdown(result: CheckResult) -> str:
     lines = [f"### {icon} zbench check", "", headline(result), ""]
     if result.findings:
         lines += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-        lines += ["| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) + " |" for row in _rows(result)]
+        lines += [
+            "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) + " |" for row in _rows(result)
+        ]
     return "\n".join(lines) + "\n\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
@@ -16,20 +16,36 @@ import zbench
 from zbench.errors import UsageError
 from zbench.values import Precision
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  help="Benchmark and regression-test ZeRO implementations against DDP: "
-                       "loss equivalence, step time, memory, reports.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Benchmark and regression-test ZeRO implementations against DDP: "
+    "loss equivalence, step time, memory, reports.",
+)
 
 #: The precision ``plan`` and ``compare`` assume unless told: mixed precision, as ZeRO is used.
 DEFAULT_PRECISION: Precision = "bf16"
 DEFAULT_RESULTS = Path("results")
 
-ResultsOpt = Annotated[Optional[Path], typer.Option(
-    "--results", envvar="ZBENCH_RESULTS", show_default="results",
-    help="Directory that holds one sub-directory per run.")]
-ResultsArg = Annotated[Optional[Path], typer.Argument(
-    metavar="RESULTS", show_default=False,
-    help="Same as --results: a results directory (its newest run) or one run's directory.")]
+ResultsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--results",
+        envvar="ZBENCH_RESULTS",
+        show_default="results",
+        help="Directory that holds one sub-directory per run.",
+    ),
+]
+ResultsArg = Annotated[
+    Path | None,
+    typer.Argument(
+        metavar="RESULTS",
+        show_default=False,
+        help="Same as --results: a results directory (its newest run) or one run's directory.",
+    ),
+]
 ReportOpt = Annotated[Path, typer.Option("--report", help="Directory the HTML report (index.html) is written to.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 PrecisionOpt = Annotated[Precision, typer.Option(help="Training precision (bf16/fp16: mixed precision).")]
@@ -50,8 +66,11 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                                help="Print the version and exit.")] = False) -> None:
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
     """Benchmark and regression-test ZeRO implementations against DDP: loss equivalence, step time, memory, reports."""
 
 
@@ -66,9 +85,17 @@ def run(
     suite_file: Annotated[Path, typer.Argument(metavar="SUITE", help="Suite YAML file, e.g. suites/smoke.yaml.")],
     results: ResultsOpt = None,
     report: ReportOpt = Path("reports"),
-    resume: Annotated[Optional[str], typer.Option(help="Run id under --results to complete: cases already stored are not run again.")] = None,
-    keep_params: Annotated[bool, typer.Option("--keep-params", help="Keep every case's final parameters "
-                                              "(params/<case>.pt); by default they are deleted once the verdict is stored.")] = False,
+    resume: Annotated[
+        str | None, typer.Option(help="Run id under --results to complete: cases already stored are not run again.")
+    ] = None,
+    keep_params: Annotated[
+        bool,
+        typer.Option(
+            "--keep-params",
+            help="Keep every case's final parameters "
+            "(params/<case>.pt); by default they are deleted once the verdict is stored.",
+        ),
+    ] = False,
 ) -> None:
     """Run every case of a suite, check each against DDP, store results and render the report.
 
@@ -82,8 +109,9 @@ def run(
 
     suite_file_ = suite_mod.read(suite_file)
     if keep_params:
-        suite_file_ = suite_mod.SuiteFile(suite_file_.path, suite_file_.sha256,
-                                          suite_file_.config.model_copy(update={"keep_params": True}))
+        suite_file_ = suite_mod.SuiteFile(
+            suite_file_.path, suite_file_.sha256, suite_file_.config.model_copy(update={"keep_params": True})
+        )
     suite = preflight.prepare(suite_file_)
     root = _results(None, results)
     result = run_suite(suite, results_root=root, resume=resume, progress=Progress())
@@ -91,8 +119,13 @@ def run(
     err = stderr_console()
     err.print(Text(f"results: {result.run.path}\nreport:  {page}"))
     if result.failed:
-        err.print(Text(f"{len(result.failed)} case(s) failed or diverged from DDP: "
-                       f"{', '.join(r.case_id for r in result.failed)}", style="red"))
+        err.print(
+            Text(
+                f"{len(result.failed)} case(s) failed or diverged from DDP: "
+                f"{', '.join(r.case_id for r in result.failed)}",
+                style="red",
+            )
+        )
         raise typer.Exit(1)
 
 
@@ -100,14 +133,20 @@ def run(
 def compare(
     a: Annotated[str, typer.Argument(metavar="A", help="First implementation (name or module:attribute).")],
     b: Annotated[str, typer.Argument(metavar="B", help="Second implementation.")],
-    gpus: Annotated[Optional[int], typer.Option(help="Run on this many GPUs (NCCL). Bad input if fewer are present.")] = None,
+    gpus: Annotated[
+        int | None, typer.Option(help="Run on this many GPUs (NCCL). Bad input if fewer are present.")
+    ] = None,
     device: DeviceOpt = "auto",
-    nproc: Annotated[Optional[int], typer.Option(help="Ranks (processes) when not using --gpus; default: all GPUs, or 2 on CPU.")] = None,
+    nproc: Annotated[
+        int | None, typer.Option(help="Ranks (processes) when not using --gpus; default: all GPUs, or 2 on CPU.")
+    ] = None,
     model: Annotated[str, typer.Option(help="Model preset (see `zbench list`).")] = "tiny",
     steps: Annotated[int, typer.Option(help="Training steps (first 3 are warm-up).")] = 20,
     micro_batch: Annotated[int, typer.Option(help="Sequences per rank per step.")] = 4,
     precision: PrecisionOpt = DEFAULT_PRECISION,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (with a `cases` list) instead of a table.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object (with a `cases` list) instead of a table.")
+    ] = False,
     results: ResultsOpt = None,
 ) -> None:
     """Run two implementations on the same model, data and seed and print them side by side (with DDP as reference).
@@ -120,8 +159,9 @@ def compare(
         if nproc is not None or device not in ("auto", "cuda"):
             raise UsageError("--gpus runs on CUDA; do not combine it with --device cpu or --nproc")
         device, nproc = "cuda", gpus
-    suite = compare_mod.prepare(a, b, device=device, nproc=nproc, model=model, steps=steps, micro_batch=micro_batch,
-                                precision=precision)
+    suite = compare_mod.prepare(
+        a, b, device=device, nproc=nproc, model=model, steps=steps, micro_batch=micro_batch, precision=precision
+    )
     outcome = compare_mod.run(suite, results=_results(None, results), quiet=as_json)
     if as_json:
         print(json.dumps(outcome.as_json(), indent=1))
@@ -135,12 +175,23 @@ def compare(
 def check(
     results_arg: ResultsArg = None,
     results: ResultsOpt = None,
-    baseline: Annotated[str, typer.Option(help="'latest' (the newest earlier run of the same suite on this machine), "
-                                               "or a run directory, or a results directory (its newest run).")] = "latest",
+    baseline: Annotated[
+        str,
+        typer.Option(
+            help="'latest' (the newest earlier run of the same suite on this machine), "
+            "or a run directory, or a results directory (its newest run)."
+        ),
+    ] = "latest",
     as_json: JsonOpt = False,
-    markdown: Annotated[Optional[Path], typer.Option(help="Also write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
-    time_threshold: Annotated[Optional[float], typer.Option(help="Minimum step-time growth in percent (default: the suite's, else 5).")] = None,
-    memory_threshold: Annotated[Optional[float], typer.Option(help="Minimum memory growth in percent (default: the suite's, else 2).")] = None,
+    markdown: Annotated[
+        Path | None, typer.Option(help="Also write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY).")
+    ] = None,
+    time_threshold: Annotated[
+        float | None, typer.Option(help="Minimum step-time growth in percent (default: the suite's, else 5).")
+    ] = None,
+    memory_threshold: Annotated[
+        float | None, typer.Option(help="Minimum memory growth in percent (default: the suite's, else 2).")
+    ] = None,
 ) -> None:
     """Gate a run against a baseline from the same machine: exit 1 on any regression or failed case, else 0.
 
@@ -148,8 +199,9 @@ def check(
     """
     from zbench import check as check_mod
 
-    outcome = check_mod.run(_results(results_arg, results), baseline, time_pct=time_threshold,
-                            memory_pct=memory_threshold)
+    outcome = check_mod.run(
+        _results(results_arg, results), baseline, time_pct=time_threshold, memory_pct=memory_threshold
+    )
     if markdown is not None:
         markdown.parent.mkdir(parents=True, exist_ok=True)
         with open(markdown, "a") as f:
@@ -164,12 +216,16 @@ def check(
 
 @app.command()
 def plan(
-    model: Annotated[Optional[str], typer.Option(help="Model preset (see `zbench list`).")] = None,
-    params: Annotated[Optional[float], typer.Option(help="Parameter count instead of a preset, e.g. 7e9.")] = None,
+    model: Annotated[str | None, typer.Option(help="Model preset (see `zbench list`).")] = None,
+    params: Annotated[float | None, typer.Option(help="Parameter count instead of a preset, e.g. 7e9.")] = None,
     gpus: Annotated[int, typer.Option(help="Data-parallel GPUs (N in the formulas).")] = 8,
-    gpu_memory: Annotated[Optional[float], typer.Option("--gpu-memory", help="GiB per GPU; shows which combinations fit.")] = None,
-    gpus_per_node: Annotated[Optional[int], typer.Option(help="GPUs sharing one host's memory (default: all).")] = None,
-    precision: Annotated[Precision, typer.Option(help="bf16/fp16 (mixed: 2+2+12 bytes per parameter) or fp32 (4+4+8).")] = DEFAULT_PRECISION,
+    gpu_memory: Annotated[
+        float | None, typer.Option("--gpu-memory", help="GiB per GPU; shows which combinations fit.")
+    ] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(help="GPUs sharing one host's memory (default: all).")] = None,
+    precision: Annotated[
+        Precision, typer.Option(help="bf16/fp16 (mixed: 2+2+12 bytes per parameter) or fp32 (4+4+8).")
+    ] = DEFAULT_PRECISION,
     reserve: Annotated[float, typer.Option(help="Share of each GPU kept free for activations and buffers.")] = 0.2,
     as_json: JsonOpt = False,
 ) -> None:
@@ -188,22 +244,59 @@ def plan(
         raise UsageError(f"--reserve: {reserve} is not in [0, 1)")
     cfg = PRESETS[model] if model else None
     n = cfg.num_parameters if cfg else int(params or 0)
-    rows = plan_mod.plan(params=n, gpus=gpus, precision=precision, cfg=cfg, reserve=reserve, gpus_per_node=gpus_per_node,
-                         gpu_memory_bytes=gpu_memory * 2**30 if gpu_memory else None)
+    rows = plan_mod.plan(
+        params=n,
+        gpus=gpus,
+        precision=precision,
+        cfg=cfg,
+        reserve=reserve,
+        gpus_per_node=gpus_per_node,
+        gpu_memory_bytes=gpu_memory * 2**30 if gpu_memory else None,
+    )
     if as_json:
-        print(json.dumps(plan_mod.as_json(rows, model=model, parameters=n, gpus=gpus, precision=precision,
-                                          gpu_memory_gib=gpu_memory, reserve=reserve), indent=1))
+        print(
+            json.dumps(
+                plan_mod.as_json(
+                    rows,
+                    model=model,
+                    parameters=n,
+                    gpus=gpus,
+                    precision=precision,
+                    gpu_memory_gib=gpu_memory,
+                    reserve=reserve,
+                ),
+                indent=1,
+            )
+        )
         return
-    table = Table(title=f"{model or 'model'}: {n:,} parameters, {gpus} GPUs, {precision}"
-                        + (f", {gpu_memory:g} GiB per GPU ({reserve:.0%} kept for activations)" if gpu_memory else ""))
-    for col in ("stage / offload", "per GPU", "  model states", "  stage-3 working set", "host per rank",
-                "host per node", "disk per rank", "bytes/param on GPU", "fits"):
+    table = Table(
+        title=f"{model or 'model'}: {n:,} parameters, {gpus} GPUs, {precision}"
+        + (f", {gpu_memory:g} GiB per GPU ({reserve:.0%} kept for activations)" if gpu_memory else "")
+    )
+    for col in (
+        "stage / offload",
+        "per GPU",
+        "  model states",
+        "  stage-3 working set",
+        "host per rank",
+        "host per node",
+        "disk per rank",
+        "bytes/param on GPU",
+        "fits",
+    ):
         table.add_column(col, justify="right" if col != "stage / offload" else "left")
     for r in rows:
-        table.add_row(r.name, fmt_bytes(r.device_bytes), fmt_bytes(r.model_state_device_bytes),
-                      fmt_bytes(r.working_set_bytes), fmt_bytes(r.host_bytes_per_rank), fmt_bytes(r.host_bytes_per_node),
-                      fmt_bytes(r.disk_bytes_per_rank), f"{r.model_state_device_bytes / n:.2f}",
-                      {True: "yes", False: "NO", None: "-"}[r.fits])
+        table.add_row(
+            r.name,
+            fmt_bytes(r.device_bytes),
+            fmt_bytes(r.model_state_device_bytes),
+            fmt_bytes(r.working_set_bytes),
+            fmt_bytes(r.host_bytes_per_rank),
+            fmt_bytes(r.host_bytes_per_node),
+            fmt_bytes(r.disk_bytes_per_rank),
+            f"{r.model_state_device_bytes / n:.2f}",
+            {True: "yes", False: "NO", None: "-"}[r.fits],
+        )
     _stdout().print(table)
 
 
@@ -230,8 +323,8 @@ def list_cmd(
     suites: Annotated[Path, typer.Option(help="Where to look for suite files.")] = Path("suites"),
 ) -> None:
     """Implementations, model presets and suites zbench knows."""
-    from zbench.implementations import BUILTIN
     from zbench import registry
+    from zbench.implementations import BUILTIN
     from zbench.presets import PRESETS
 
     out = _stdout()
@@ -241,8 +334,13 @@ def list_cmd(
     for name, target in BUILTIN.items():
         try:
             caps = registry.resolve(name).capabilities
-            impls.add_row(name, ",".join(map(str, sorted(caps.stages))), ",".join(sorted(caps.precisions)),
-                          ",".join(sorted(caps.offload)), target)
+            impls.add_row(
+                name,
+                ",".join(map(str, sorted(caps.stages))),
+                ",".join(sorted(caps.precisions)),
+                ",".join(sorted(caps.offload)),
+                target,
+            )
         except LookupError as exc:
             impls.add_row(name, "-", "-", "-", f"unavailable: {exc}")
     out.print(impls)
@@ -251,8 +349,15 @@ def list_cmd(
     for col in ("name", "parameters", "layers", "d_model", "heads", "vocab", "seq"):
         models.add_column(col)
     for name, cfg in PRESETS.items():
-        models.add_row(name, f"{cfg.num_parameters:,}", str(cfg.layers), str(cfg.d_model), str(cfg.heads),
-                       str(cfg.vocab), str(cfg.seq))
+        models.add_row(
+            name,
+            f"{cfg.num_parameters:,}",
+            str(cfg.layers),
+            str(cfg.d_model),
+            str(cfg.heads),
+            str(cfg.vocab),
+            str(cfg.seq),
+        )
     out.print(models)
     table = Table(title=f"suites in {suites}/")
     table.add_column("file")
@@ -288,8 +393,12 @@ def gc_cmd(
     for run, size in removed:
         err.print(Text(f"{'would remove' if dry_run else 'removed'} {run.path} ({fmt_bytes(size)})"))
     total = sum(size for _, size in removed)
-    err.print(Text(f"{len(removed)} run(s), {fmt_bytes(total)} {'to free' if dry_run else 'freed'}; "
-                   f"kept the newest {keep} of each suite"))
+    err.print(
+        Text(
+            f"{len(removed)} run(s), {fmt_bytes(total)} {'to free' if dry_run else 'freed'}; "
+            f"kept the newest {keep} of each suite"
+        )
+    )
 
 
 @app.command("env")
@@ -307,7 +416,8 @@ def env_cmd(as_json: JsonOpt = False) -> None:
 
 
 def _is_click_usage_error(exc: Exception) -> bool:
-    """Click's usage errors (typer vendors its own click, so they are recognised by shape: exit code 2, ``format_message``)."""
+    """Click's usage errors (typer vendors its own click, so they are recognised by shape: exit code 2 and a
+    ``format_message``)."""
     return getattr(exc, "exit_code", None) == 2 and callable(getattr(exc, "format_message", None))
 
 
@@ -320,8 +430,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"zbench: error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        print("zbench: interrupted; every case that finished is stored (complete the run with --resume RUN_ID)",
-              file=sys.stderr)
+        print(
+            "zbench: interrupted; every case that finished is stored (complete the run with --resume RUN_ID)",
+            file=sys.stderr,
+        )
         sys.exit(130)
     except typer.Abort:
         print("zbench: aborted", file=sys.stderr)
@@ -330,7 +442,9 @@ def main(argv: list[str] | None = None) -> None:
         if not _is_click_usage_error(exc):
             raise
         ctx = getattr(exc, "ctx", None)
-        hint = f" (see 'zbench {ctx.info_name} --help')" if ctx and ctx.info_name != "zbench" else " (see 'zbench --help')"
+        hint = (
+            f" (see 'zbench {ctx.info_name} --help')" if ctx and ctx.info_name != "zbench" else " (see 'zbench --help')"
+        )
         print(f"zbench: error: {exc.format_message()}{hint}", file=sys.stderr)  # type: ignore[attr-defined]
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)

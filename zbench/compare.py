@@ -19,9 +19,22 @@ from zbench.record import CaseRecord, SummaryRow
 from zbench.runner import RunResult, run_suite
 from zbench.values import Precision
 
-JSON_FIELDS = ("case_id", "implementation", "status", "step_time_median_s", "step_time_iqr_s", "ratio_to_ddp",
-               "tokens_per_s", "peak_memory_bytes", "model_state_bytes", "expected_model_state_bytes",
-               "max_rel_loss_diff", "max_rel_param_diff", "equivalent", "error")
+JSON_FIELDS = (
+    "case_id",
+    "implementation",
+    "status",
+    "step_time_median_s",
+    "step_time_iqr_s",
+    "ratio_to_ddp",
+    "tokens_per_s",
+    "peak_memory_bytes",
+    "model_state_bytes",
+    "expected_model_state_bytes",
+    "max_rel_loss_diff",
+    "max_rel_param_diff",
+    "equivalent",
+    "error",
+)
 
 
 def _sci(x: float | None) -> str:
@@ -52,8 +65,11 @@ class Comparison:
         return bool(self.result.failed) or any(r.status == "skipped" for r in self.result.records)
 
     def as_json(self) -> dict[str, Any]:
-        return {"run_id": self.result.run.run_id, "results": str(self.result.run.path),
-                "cases": [r.summary_row().model_dump(include=set(JSON_FIELDS)) for r in self.result.records]}
+        return {
+            "run_id": self.result.run.run_id,
+            "results": str(self.result.run.path),
+            "cases": [r.summary_row().model_dump(include=set(JSON_FIELDS)) for r in self.result.records],
+        }
 
     def table(self) -> Table:
         records = self.result.records
@@ -67,8 +83,9 @@ class Comparison:
         return table
 
 
-def prepare(a: str, b: str, *, device: str, nproc: int | None, model: str, steps: int, micro_batch: int,
-            precision: Precision) -> preflight.Suite:
+def prepare(
+    a: str, b: str, *, device: str, nproc: int | None, model: str, steps: int, micro_batch: int, precision: Precision
+) -> preflight.Suite:
     """The two-implementation suite; a combination either cannot run is bad input, before anything trains."""
     resolved = preflight.resolve_device(device)
     if nproc is None:
@@ -76,16 +93,28 @@ def prepare(a: str, b: str, *, device: str, nproc: int | None, model: str, steps
 
         nproc = torch.cuda.device_count() if resolved == "cuda" else 2
     names = list(dict.fromkeys([a, b]))
-    config = suite_mod.from_dict({
-        "name": f"compare {' vs '.join(names)}", "device": device, "models": [model], "implementations": names,
-        "world_sizes": [nproc], "precisions": [precision], "steps": steps, "micro_batch": micro_batch,
-        "warmup_steps": min(3, steps - 1)}, source="compare")
+    config = suite_mod.from_dict(
+        {
+            "name": f"compare {' vs '.join(names)}",
+            "device": device,
+            "models": [model],
+            "implementations": names,
+            "world_sizes": [nproc],
+            "precisions": [precision],
+            "steps": steps,
+            "micro_batch": micro_batch,
+            "warmup_steps": min(3, steps - 1),
+        },
+        source="compare",
+    )
     suite = preflight.prepare(suite_mod.from_flags(config))
     skipped = [c for c in suite.cases if c.skip_reason]
     if skipped:
         c = skipped[0]
-        raise UsageError(f"compare: {c.implementation} cannot run {model} at {precision} on {nproc} {resolved} "
-                         f"rank(s): {c.skip_reason}")
+        raise UsageError(
+            f"compare: {c.implementation} cannot run {model} at {precision} on {nproc} {resolved} "
+            f"rank(s): {c.skip_reason}"
+        )
     return suite
 
 

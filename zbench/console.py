@@ -66,9 +66,16 @@ class Progress:
         self.total = total
         self._print(f"run [bold]{run_id}[/]: {total} cases -> {escape(str(path))}")
         if not self.quiet and self.console.is_terminal:
-            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                     console=self.console, transient=True)
+            self._bar = RichProgress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=True,
+            )
             self._task = self._bar.add_task("starting", total=total)
             self._bar.start()
 
@@ -92,8 +99,10 @@ class Progress:
     def case_done(self, index: int, case: Case, record: CaseRecord) -> None:
         line = escape(f"{self._prefix(index, case)}: {status_text(record)}")
         if record.ok:
-            line += escape(f", {fmt_seconds(record.step_time_median_s)}/step, ratio {fmt_ratio(record.ratio_to_ddp)}, "
-                           f"{verdict_text(record)}, {record.wall_s or 0:.1f} s")
+            line += escape(
+                f", {fmt_seconds(record.step_time_median_s)}/step, ratio {fmt_ratio(record.ratio_to_ddp)}, "
+                f"{verdict_text(record)}, {record.wall_s or 0:.1f} s"
+            )
             if record.warnings:
                 line += escape("; WARNING: " + "; ".join(record.warnings))
         elif record.status != "skipped":
@@ -126,8 +135,15 @@ def summary_table(records: list[CaseRecord]) -> Table:
     for r in records:
         row = r.summary_row()
         status = status_text(r)
-        cells = (r.case_id, status if len(status) <= 90 else status[:87] + "...",
-                 fmt_seconds(row.step_time_median_s), fmt_ratio(row.ratio_to_ddp), fmt_rate(row.tokens_per_s),
-                 fmt_bytes(row.peak_memory_bytes), fmt_bytes(row.model_state_bytes), verdict_text(r))
+        cells = (
+            r.case_id,
+            status if len(status) <= 90 else status[:87] + "...",
+            fmt_seconds(row.step_time_median_s),
+            fmt_ratio(row.ratio_to_ddp),
+            fmt_rate(row.tokens_per_s),
+            fmt_bytes(row.peak_memory_bytes),
+            fmt_bytes(row.model_state_bytes),
+            verdict_text(r),
+        )
         table.add_row(*(Text(c) for c in cells))
     return table

@@ -41,7 +41,9 @@ def loss_differences(losses: Sequence[float], reference: Sequence[float]) -> tup
     return max(abs_diff, default=0.0), max(rel_diff, default=0.0)
 
 
-def parameter_differences(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, float, str | None, float]:
+def parameter_differences(
+    params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
+) -> tuple[float, float, str | None, float]:
     """Max absolute difference, model-wide relative L2 difference, the worst tensor and its relative L2 difference."""
     if params.keys() != reference.keys():
         missing = sorted(reference.keys() - params.keys())[:3]
@@ -67,8 +69,15 @@ def load_params(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def verdict(*, losses: Sequence[float], reference_losses: Sequence[float], params_path: Path | None,
-            reference_params_path: Path | None, precision: Precision, reference_case: str) -> Equivalence:
+def verdict(
+    *,
+    losses: Sequence[float],
+    reference_losses: Sequence[float],
+    params_path: Path | None,
+    reference_params_path: Path | None,
+    precision: Precision,
+    reference_case: str,
+) -> Equivalence:
     """The stored equivalence verdict: differences, tolerance, pass or fail, and why."""
     tolerance = TOLERANCE[precision]
     out = Equivalence(equivalent=False, reference_case=reference_case, tolerance_rel=tolerance)
@@ -76,14 +85,17 @@ def verdict(*, losses: Sequence[float], reference_losses: Sequence[float], param
         out.max_abs_loss_diff, out.max_rel_loss_diff = loss_differences(losses, reference_losses)
         if params_path is None or reference_params_path is None:
             raise ValueError("final parameters were not stored")
-        (out.max_abs_param_diff, out.max_rel_param_diff, out.worst_parameter,
-         out.worst_parameter_rel_diff) = parameter_differences(load_params(params_path),
-                                                                load_params(reference_params_path))
+        (out.max_abs_param_diff, out.max_rel_param_diff, out.worst_parameter, out.worst_parameter_rel_diff) = (
+            parameter_differences(load_params(params_path), load_params(reference_params_path))
+        )
     except (ValueError, OSError, RuntimeError) as exc:
         out.reason = str(exc)
         return out
-    failures = [what for what, value in (("loss", out.max_rel_loss_diff), ("parameters", out.max_rel_param_diff))
-                if not value <= tolerance]
+    failures = [
+        what
+        for what, value in (("loss", out.max_rel_loss_diff), ("parameters", out.max_rel_param_diff))
+        if not value <= tolerance
+    ]
     out.equivalent = not failures
     if failures:
         out.reason = " and ".join(failures) + f" differ from {reference_case} beyond {tolerance:g} relative"

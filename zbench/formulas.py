@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from zbench.presets import get_config
 
-
 if TYPE_CHECKING:
     from zbench.case import Case
 
@@ -24,9 +23,16 @@ def optimizer_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
     return 4 if momentum else 0
 
 
-def expected_state_bytes(*, params: int, world: int, stage: int, precision: str,
-                         optimizer: str = "adamw", momentum: float = 0.0,
-                         master_weights: bool | None = None) -> dict[str, float]:
+def expected_state_bytes(
+    *,
+    params: int,
+    world: int,
+    stage: int,
+    precision: str,
+    optimizer: str = "adamw",
+    momentum: float = 0.0,
+    master_weights: bool | None = None,
+) -> dict[str, float]:
     """Predicted bytes per rank by category for one rank of ``world``.
 
     ``master_weights`` says whether the implementation keeps a low-precision
@@ -60,9 +66,18 @@ def offload_supported(stage: int, offload: str) -> str | None:
     return None
 
 
-def placement(*, params: int, world: int, stage: int, precision: str, offload: str, optimizer: str = "adamw",
-              momentum: float = 0.0, master_weights: bool | None = None,
-              offload_master: bool = True) -> dict[str, dict[str, float]]:
+def placement(
+    *,
+    params: int,
+    world: int,
+    stage: int,
+    precision: str,
+    offload: str,
+    optimizer: str = "adamw",
+    momentum: float = 0.0,
+    master_weights: bool | None = None,
+    offload_master: bool = True,
+) -> dict[str, dict[str, float]]:
     """Predicted bytes per rank by category *and location* (device, host, disk).
 
     Without offload this is ``expected_state_bytes``, all on the device. With
@@ -83,8 +98,15 @@ def placement(*, params: int, world: int, stage: int, precision: str, offload: s
     FSDP2's CPU offload keeps the fp32 parameter shard on the host and steps it
     in place (with ``master_weights=False`` its parameters count 4 bytes).
     """
-    by_cat = expected_state_bytes(params=params, world=world, stage=stage, precision=precision,
-                                  optimizer=optimizer, momentum=momentum, master_weights=master_weights)
+    by_cat = expected_state_bytes(
+        params=params,
+        world=world,
+        stage=stage,
+        precision=precision,
+        optimizer=optimizer,
+        momentum=momentum,
+        master_weights=master_weights,
+    )
     out = {c: {"device": 0.0, "host": 0.0, "disk": 0.0} for c in by_cat}
     if offload == "none":
         for cat, b in by_cat.items():
@@ -108,7 +130,14 @@ def placement_for(case: Case) -> dict[str, dict[str, float]]:
     caps = case.capabilities
     if caps is None:
         raise ValueError(f"case {case.case_id} carries no capabilities (a schema-1 record); nothing to predict")
-    return placement(params=get_config(case.model).num_parameters, world=case.world_size, stage=case.stage,
-                     precision=case.precision, offload=case.offload, optimizer=case.optimizer,
-                     momentum=case.momentum, master_weights=caps.keeps_master_weights and case.precision != "fp32",
-                     offload_master=caps.offload_keeps_master)
+    return placement(
+        params=get_config(case.model).num_parameters,
+        world=case.world_size,
+        stage=case.stage,
+        precision=case.precision,
+        offload=case.offload,
+        optimizer=case.optimizer,
+        momentum=case.momentum,
+        master_weights=caps.keeps_master_weights and case.precision != "fp32",
+        offload_master=caps.offload_keeps_master,
+    )

@@ -15,9 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from zbench.case import Case
-from zbench.record import NvmlSummary, RankMemory, StateBytes
-
-from zbench.record import SCHEMA_VERSION
+from zbench.record import SCHEMA_VERSION, NvmlSummary, RankMemory, StateBytes
 
 
 class _Message(BaseModel):

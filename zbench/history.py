@@ -52,7 +52,8 @@ def case_history(runs: list[RunDir], thresholds: Thresholds | None = None) -> di
                     regressed.append("step_time")
                 if compare_bytes(before.peak_bytes, case.peak_bytes, t)[0] == "regression":
                     regressed.append("peak_memory")
-            series.setdefault(case.case_id, []).append(Point(
-                run.run_id, _label(run), case.step_time_median_s, case.peak_bytes, regressed))
+            series.setdefault(case.case_id, []).append(
+                Point(run.run_id, _label(run), case.step_time_median_s, case.peak_bytes, regressed)
+            )
             previous[case.case_id] = case
     return series

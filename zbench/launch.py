@@ -17,10 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zbench.values import Status
-
 from zbench.case import Case
 from zbench.handoff import CaseFiles, RankError, RankResult, WorkerTask
+from zbench.values import Status
 
 #: How long the surviving ranks get to notice a dead peer before the group is killed.
 PEER_GRACE_S = 10.0
@@ -66,8 +65,15 @@ def _env(rank: int, world: int, port: int, device: str = "cpu") -> dict[str, str
         env = {**CPU_MALLOC_ENV, **env}
     cwd = os.getcwd()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
@@ -77,10 +83,16 @@ def _spawn(task: WorkerTask, files: CaseFiles, port: int) -> list[subprocess.Pop
     procs: list[subprocess.Popen[bytes]] = []
     for rank in range(case.world_size):
         log = open(files.log(rank), "wb")
-        procs.append(subprocess.Popen([sys.executable, "-m", "zbench.worker", str(files.workdir)],
-                                      env=_env(rank, case.world_size, port, case.device), stdin=subprocess.DEVNULL,
-                                      stdout=log, stderr=subprocess.STDOUT,
-                                      process_group=0 if rank == 0 else procs[0].pid))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "zbench.worker", str(files.workdir)],
+                env=_env(rank, case.world_size, port, case.device),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                process_group=0 if rank == 0 else procs[0].pid,
+            )
+        )
         log.close()
     return procs
 
@@ -176,8 +188,14 @@ def _run_once(task: WorkerTask, files: CaseFiles, on_progress: Callable[[str], N
     return outcome
 
 
-def _classify(case: Case, files: CaseFiles, procs: list[subprocess.Popen[bytes]], timed_out: bool, wall_s: float,
-              died_before_kill: dict[int, int]) -> Outcome:
+def _classify(
+    case: Case,
+    files: CaseFiles,
+    procs: list[subprocess.Popen[bytes]],
+    timed_out: bool,
+    wall_s: float,
+    died_before_kill: dict[int, int],
+) -> Outcome:
     """ok, oom, timeout or error, and which rank to blame.
 
     Note: when one rank dies, its peers fail too (a broken connection in the
@@ -192,8 +210,9 @@ def _classify(case: Case, files: CaseFiles, procs: list[subprocess.Popen[bytes]]
         if files.result(r).exists():
             ranks.append(RankResult.model_validate_json(files.result(r).read_text()))
         if files.error(r).exists():
-            timed_errors.append((files.error(r).stat().st_mtime_ns,
-                                 RankError.model_validate_json(files.error(r).read_text())))
+            timed_errors.append(
+                (files.error(r).stat().st_mtime_ns, RankError.model_validate_json(files.error(r).read_text()))
+            )
     # the first rank to fail is the cause; peers fail because it died
     errors = [e for _, e in sorted(timed_errors, key=lambda pair: pair[0])]
     error_ranks = {e.rank for e in errors}
@@ -219,8 +238,11 @@ def _classify(case: Case, files: CaseFiles, procs: list[subprocess.Popen[bytes]]
     elif len(ranks) == case.world_size:
         # every rank handed back its results, then one failed while shutting down: the measurements stand,
         # the crash is kept as a warning (it is the implementation's bug, not the harness's)
-        outcome.warnings = [f"rank {r} {_describe_exit(c)} after writing its results (during shutdown)"
-                            for r, c in enumerate(codes) if c != 0]
+        outcome.warnings = [
+            f"rank {r} {_describe_exit(c)} after writing its results (during shutdown)"
+            for r, c in enumerate(codes)
+            if c != 0
+        ]
         if outcome.warnings:
             outcome.stderr_tail = _all_tails(files, case.world_size)
     elif any(c != 0 for c in codes) or len(ranks) != case.world_size:

@@ -88,8 +88,9 @@ def synthetic_batch(cfg: GPTConfig, *, seed: int, step: int, rows: int, seq: int
     return tokens
 
 
-def rank_micro_batches(batch: torch.Tensor, *, rank: int, world: int, grad_accum: int,
-                       device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+def rank_micro_batches(
+    batch: torch.Tensor, *, rank: int, world: int, grad_accum: int, device: torch.device | str = "cpu"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of a global batch (rows ``rank::world``, like DistributedSampler), split into micro-batches."""
     mine = batch[rank::world].to(device)
     return [(chunk[:, :-1], chunk[:, 1:]) for chunk in mine.chunk(grad_accum)]

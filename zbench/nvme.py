@@ -52,8 +52,10 @@ def check_directory(nvme_dir: str | None, needed: int, *, what: str) -> None:
         raise UsageError(f"nvme_dir {nvme_dir}: not writable ({exc.strerror or exc})") from None
     free = shutil.disk_usage(path).free
     if free < needed:
-        raise UsageError(f"nvme_dir {nvme_dir}: {free / 2**30:.2f} GiB free, {what} needs "
-                         f"{needed / 2**30:.2f} GiB for its offloaded state")
+        raise UsageError(
+            f"nvme_dir {nvme_dir}: {free / 2**30:.2f} GiB free, {what} needs "
+            f"{needed / 2**30:.2f} GiB for its offloaded state"
+        )
 
 
 def check_suite(cases: Sequence[Case], nvme_dir: str | None) -> None:

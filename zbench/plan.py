@@ -13,9 +13,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from zbench.formulas import offload_supported, placement
-from zbench.values import OFFLOAD_MODES, STAGES
 from zbench.presets import GPTConfig
-
+from zbench.values import OFFLOAD_MODES, STAGES
 
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
@@ -47,9 +46,17 @@ def working_set_bytes(cfg: GPTConfig | None, precision: str) -> float:
     return 3 * unit * low
 
 
-def plan(*, params: int, gpus: int, precision: str = "bf16", gpu_memory_bytes: float | None = None,
-         gpus_per_node: int | None = None, reserve: float = 0.2, cfg: GPTConfig | None = None,
-         optimizer: str = "adamw") -> list[PlanRow]:
+def plan(
+    *,
+    params: int,
+    gpus: int,
+    precision: str = "bf16",
+    gpu_memory_bytes: float | None = None,
+    gpus_per_node: int | None = None,
+    reserve: float = 0.2,
+    cfg: GPTConfig | None = None,
+    optimizer: str = "adamw",
+) -> list[PlanRow]:
     """Every stage × offload combination; ``fits`` is ``None`` when no GPU memory was given."""
     per_node = gpus_per_node or gpus
     rows = []
@@ -57,14 +64,18 @@ def plan(*, params: int, gpus: int, precision: str = "bf16", gpu_memory_bytes: f
         for offload in OFFLOAD_MODES:
             if offload_supported(stage, offload):
                 continue
-            place = placement(params=params, world=gpus, stage=stage, precision=precision, offload=offload,
-                              optimizer=optimizer)
+            place = placement(
+                params=params, world=gpus, stage=stage, precision=precision, offload=offload, optimizer=optimizer
+            )
             loc = {where: sum(c[where] for c in place.values()) for where in ("device", "host", "disk")}
             work = working_set_bytes(cfg, precision) if stage == 3 else 0.0
             device = loc["device"] + work
             fits = None if gpu_memory_bytes is None else device <= gpu_memory_bytes * (1 - reserve)
-            rows.append(PlanRow(stage, offload, device, loc["host"], loc["host"] * per_node, loc["disk"],
-                                loc["device"], work, fits))
+            rows.append(
+                PlanRow(
+                    stage, offload, device, loc["host"], loc["host"] * per_node, loc["disk"], loc["device"], work, fits
+                )
+            )
     return rows
 
 

@@ -44,8 +44,10 @@ def resolve_device(requested: str) -> DeviceKind:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
-        raise UsageError("device 'cuda' requested but no CUDA GPU is available (torch.cuda.is_available() is False); "
-                         "use device: cpu or auto")
+        raise UsageError(
+            "device 'cuda' requested but no CUDA GPU is available (torch.cuda.is_available() is False); "
+            "use device: cpu or auto"
+        )
     if requested not in ("cpu", "cuda"):
         raise UsageError(f"device {requested!r} is not one of auto, cpu, cuda")
     return "cuda" if requested == "cuda" else "cpu"
@@ -83,24 +85,48 @@ def resolve_implementations(names: list[str], source: str) -> dict[str, Implemen
 def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str, Implementation]) -> list[Case]:
     """The cartesian product of the suite's axes as cases, DDP first in each group, unsupported ones skipped."""
     cases = []
-    for model, world, precision, entry in itertools.product(config.models, config.world_sizes, config.precisions,
-                                                            entries_with_reference(config)):
+    for model, world, precision, entry in itertools.product(
+        config.models, config.world_sizes, config.precisions, entries_with_reference(config)
+    ):
         caps = implementations[entry.name].capabilities
         stages = entry.stages or sorted(caps.stages)
         offloads = config.offload if entry.name != REFERENCE else ["none"]
         for stage, offload in itertools.product(stages, offloads):
             case = Case(
-                model=model, implementation=entry.name, stage=stage, world_size=world, precision=precision,
-                offload=offload, device=device, steps=config.steps, warmup_steps=config.warmup_steps,
-                micro_batch=config.micro_batch, grad_accum=config.grad_accum,
-                seq_len=config.seq_len or get_config(model).seq, seed=config.seed, timeout_s=config.timeout_s,
-                optimizer=config.optimizer.name, lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay,
-                momentum=config.optimizer.momentum, grad_clip=config.grad_clip, options=dict(entry.options),
-                nvme_dir=config.nvme_dir, target_loss=config.target_loss, keep_params=config.keep_params,
-                capabilities=caps)
-            reason = caps.why_unsupported(stage=stage, precision=precision, offload=offload, device=device,
-                                          optimizer=case.optimizer, grad_accum=case.grad_accum,
-                                          grad_clip=case.grad_clip)
+                model=model,
+                implementation=entry.name,
+                stage=stage,
+                world_size=world,
+                precision=precision,
+                offload=offload,
+                device=device,
+                steps=config.steps,
+                warmup_steps=config.warmup_steps,
+                micro_batch=config.micro_batch,
+                grad_accum=config.grad_accum,
+                seq_len=config.seq_len or get_config(model).seq,
+                seed=config.seed,
+                timeout_s=config.timeout_s,
+                optimizer=config.optimizer.name,
+                lr=config.optimizer.lr,
+                weight_decay=config.optimizer.weight_decay,
+                momentum=config.optimizer.momentum,
+                grad_clip=config.grad_clip,
+                options=dict(entry.options),
+                nvme_dir=config.nvme_dir,
+                target_loss=config.target_loss,
+                keep_params=config.keep_params,
+                capabilities=caps,
+            )
+            reason = caps.why_unsupported(
+                stage=stage,
+                precision=precision,
+                offload=offload,
+                device=device,
+                optimizer=case.optimizer,
+                grad_accum=case.grad_accum,
+                grad_clip=case.grad_clip,
+            )
             cases.append(case if reason is None else case.model_copy(update={"skip_reason": reason}))
     return cases
 

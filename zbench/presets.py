@@ -41,11 +41,19 @@ class GPTConfig:
     @property
     def num_parameters(self) -> int:
         """Exact count of the parameters ``GPT(self)`` holds."""
-        return self.embedding_parameters + self.layers * self.block_parameters + 2 * self.d_model + self.d_model * self.vocab
+        return (
+            self.embedding_parameters
+            + self.layers * self.block_parameters
+            + 2 * self.d_model
+            + self.d_model * self.vocab
+        )
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6·(Ψ − embeddings) + attention (docs/methods.md)."""
-        return 6 * (self.num_parameters - self.embedding_parameters) + 6 * self.layers * self.heads * self.head_dim * self.seq
+        return (
+            6 * (self.num_parameters - self.embedding_parameters)
+            + 6 * self.layers * self.heads * self.head_dim * self.seq
+        )
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -70,5 +78,3 @@ def get_config(name: str) -> GPTConfig:
         return PRESETS[name]
     except KeyError:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(PRESETS)}") from None
-
-

@@ -31,8 +31,17 @@ from zbench.values import CATEGORIES, LOCATIONS, Offload, OptimizerName, Precisi
 if TYPE_CHECKING:
     from zbench.presets import GPTConfig
 
-__all__ = ["CATEGORIES", "LOCATIONS", "Capabilities", "Engine", "EngineBase", "Implementation",
-           "ImplementationBase", "MicroBatch", "TrainSpec"]
+__all__ = [
+    "CATEGORIES",
+    "LOCATIONS",
+    "Capabilities",
+    "Engine",
+    "EngineBase",
+    "Implementation",
+    "ImplementationBase",
+    "MicroBatch",
+    "TrainSpec",
+]
 
 
 @dataclass(frozen=True)
@@ -54,8 +63,17 @@ class Capabilities:
     """True when offloading keeps a separate fp32 master shard on the host next to the compute shard (ZeRO-Offload,
     even in fp32); False when the offloaded fp32 shard is itself what the optimizer steps (FSDP2's CPU offload)."""
 
-    def why_unsupported(self, *, stage: int, precision: str, offload: str, device: str,
-                        optimizer: str, grad_accum: int, grad_clip: float | None) -> str | None:
+    def why_unsupported(
+        self,
+        *,
+        stage: int,
+        precision: str,
+        offload: str,
+        device: str,
+        optimizer: str,
+        grad_accum: int,
+        grad_clip: float | None,
+    ) -> str | None:
         """The reason this combination cannot run, or ``None`` when it can."""
         if stage not in self.stages:
             return f"stage {stage} not supported (supports {sorted(self.stages)})"
@@ -103,8 +121,9 @@ class TrainSpec:
     def optimizer_class_and_kwargs(self) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
         """The torch optimizer class and its arguments (for wrappers such as ``ZeroRedundancyOptimizer``)."""
         if self.optimizer == "adamw":
-            return torch.optim.AdamW, dict(lr=self.lr, betas=self.betas, eps=self.eps,
-                                           weight_decay=self.weight_decay, foreach=False)
+            return torch.optim.AdamW, dict(
+                lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, foreach=False
+            )
         return torch.optim.SGD, dict(lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, foreach=False)
 
     def make_optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer:

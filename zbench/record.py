@@ -285,15 +285,27 @@ class CaseRecord(_Part):
         """The flat per-case figures every table shows (compare, ``--json``, pandas, the console summary)."""
         c, eq, ms = self.config, self.equivalence, self.model_state
         return SummaryRow(
-            case_id=self.case_id, model=c.model, implementation=c.implementation, stage=c.stage,
-            world_size=c.world_size, precision=c.precision, offload=c.offload, device=c.device, status=self.status,
-            step_time_median_s=self.summary.step_time_median_s, step_time_iqr_s=self.summary.step_time_iqr_s,
-            ratio_to_ddp=self.ratio_to_ddp, tokens_per_s=self.summary.tokens_per_s, peak_memory_bytes=self.peak_bytes,
+            case_id=self.case_id,
+            model=c.model,
+            implementation=c.implementation,
+            stage=c.stage,
+            world_size=c.world_size,
+            precision=c.precision,
+            offload=c.offload,
+            device=c.device,
+            status=self.status,
+            step_time_median_s=self.summary.step_time_median_s,
+            step_time_iqr_s=self.summary.step_time_iqr_s,
+            ratio_to_ddp=self.ratio_to_ddp,
+            tokens_per_s=self.summary.tokens_per_s,
+            peak_memory_bytes=self.peak_bytes,
             model_state_bytes=None if ms is None else ms.measured_total,
             expected_model_state_bytes=None if ms is None else ms.expected_total,
             max_rel_loss_diff=None if eq is None else eq.max_rel_loss_diff,
             max_rel_param_diff=None if eq is None else eq.max_rel_param_diff,
-            equivalent=None if eq is None else eq.equivalent, error=self.error or self.skip_reason)
+            equivalent=None if eq is None else eq.equivalent,
+            error=self.error or self.skip_reason,
+        )
 
     def to_json_dict(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")
@@ -322,13 +334,19 @@ def migrate(data: dict[str, Any]) -> dict[str, Any]:
     """
     version = data.get("schema_version", 1)
     if version > SCHEMA_VERSION:
-        raise ValueError(f"record schema {version} is newer than this zbench understands ({SCHEMA_VERSION}); "
-                         "upgrade zbench")
+        raise ValueError(
+            f"record schema {version} is newer than this zbench understands ({SCHEMA_VERSION}); upgrade zbench"
+        )
     if version == SCHEMA_VERSION:
         return data
     out = dict(data)
-    out["steps"] = [{**{k: v for k, v in s.items() if k in _STEP_KEYS},
-                     "metrics": {k: v for k, v in s.items() if k not in _STEP_KEYS}} for s in data.get("steps") or []]
+    out["steps"] = [
+        {
+            **{k: v for k, v in s.items() if k in _STEP_KEYS},
+            "metrics": {k: v for k, v in s.items() if k not in _STEP_KEYS},
+        }
+        for s in data.get("steps") or []
+    ]
     out["summary"] = data.get("summary") or {}
     out["schema_version"] = SCHEMA_VERSION
     return out

@@ -19,8 +19,10 @@ def resolve(name: str) -> Implementation:
     """
     target = BUILTIN.get(name, name if is_import_path(name) else None)
     if target is None:
-        raise LookupError(f"unknown implementation {name!r}; built-in: {', '.join(BUILTIN)}; "
-                          "or give an import path like 'my_pkg.engine:MyZero'")
+        raise LookupError(
+            f"unknown implementation {name!r}; built-in: {', '.join(BUILTIN)}; "
+            "or give an import path like 'my_pkg.engine:MyZero'"
+        )
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -30,7 +32,9 @@ def resolve(name: str) -> Implementation:
     obj = obj() if isinstance(obj, type) else obj
     missing = [a for a in ("name", "capabilities", "build", "expected_comm_elements") if not hasattr(obj, a)]
     if missing:
-        raise LookupError(f"implementation {name!r} ({target}) has no {', '.join(map(repr, missing))}; "
-                          "see zbench.protocol.Implementation (zbench.protocol.ImplementationBase supplies "
-                          "expected_comm_elements)")
+        raise LookupError(
+            f"implementation {name!r} ({target}) has no {', '.join(map(repr, missing))}; "
+            "see zbench.protocol.Implementation (zbench.protocol.ImplementationBase supplies "
+            "expected_comm_elements)"
+        )
     return obj  # checked member by member above

@@ -64,9 +64,15 @@ class CheckResult:
         return "fail" if self.failed else "pass"
 
     def as_json(self) -> dict[str, object]:
-        return {"verdict": self.verdict, "candidate": self.candidate, "baseline": self.baseline,
-                "thresholds": asdict(self.thresholds), "compared_cases": self.compared,
-                "unmatched_cases": self.unmatched, "findings": [asdict(f) for f in self.findings]}
+        return {
+            "verdict": self.verdict,
+            "candidate": self.candidate,
+            "baseline": self.baseline,
+            "thresholds": asdict(self.thresholds),
+            "compared_cases": self.compared,
+            "unmatched_cases": self.unmatched,
+            "findings": [asdict(f) for f in self.findings],
+        }
 
 
 def machine_fingerprint(info: RunInfo) -> str:
@@ -98,19 +104,32 @@ def _case_findings(base: CaseRecord | None, cand: CaseRecord, t: Thresholds) -> 
     """What changed for one case; ``base`` is ``None`` when the baseline does not have it."""
     case_id = cand.case_id
     if not cand.ok:
-        return [Finding(case_id, "status", "failure", base.status if base else "absent", cand.status,
-                        detail=cand.error or "")]
+        return [
+            Finding(
+                case_id, "status", "failure", base.status if base else "absent", cand.status, detail=cand.error or ""
+            )
+        ]
     if not cand.equivalent:
-        return [Finding(case_id, "equivalence", "failure", "equivalent", "not equivalent",
-                        detail=cand.equivalence.reason or "" if cand.equivalence else "not checked")]
+        return [
+            Finding(
+                case_id,
+                "equivalence",
+                "failure",
+                "equivalent",
+                "not equivalent",
+                detail=cand.equivalence.reason or "" if cand.equivalence else "not checked",
+            )
+        ]
     if base is None or not base.ok:
         return []
     out = []
     kind, change, p = compare_times(base.timed_step_times(), cand.timed_step_times(), t)
     if kind:
         out.append(Finding(case_id, "step_time", kind, base.step_time_median_s, cand.step_time_median_s, change, p))
-    for metric, before, after in (("peak_memory", base.peak_bytes, cand.peak_bytes),
-                                  ("model_state", base.model_state_bytes, cand.model_state_bytes)):
+    for metric, before, after in (
+        ("peak_memory", base.peak_bytes, cand.peak_bytes),
+        ("model_state", base.model_state_bytes, cand.model_state_bytes),
+    ):
         if before is None or after is None:
             continue
         kind, change = compare_bytes(before, after, t)
@@ -137,8 +156,11 @@ def check(candidate: RunDir, baseline: RunDir, thresholds: Thresholds) -> CheckR
 
 def thresholds_for(run: RunDir, **overrides: float | None) -> Thresholds:
     """The suite's own thresholds (its ``regression:`` block), overridden by command-line flags."""
-    values = {**asdict(Thresholds()), **run.info().suite.regression,
-              **{k: v for k, v in overrides.items() if v is not None}}
+    values = {
+        **asdict(Thresholds()),
+        **run.info().suite.regression,
+        **{k: v for k, v in overrides.items() if v is not None},
+    }
     return Thresholds(**values)
 
 
@@ -149,6 +171,11 @@ def same_suite_and_machine(a: RunInfo, b: RunInfo) -> bool:
 def latest_baseline(results: Path, candidate: RunDir) -> RunDir | None:
     """The newest earlier run of the same suite on the same machine."""
     info = candidate.info()
-    same = [r for r in run_dirs(results) if r.path != candidate.path and same_suite_and_machine(r.info(), info)
-            and r.info().started_at <= info.started_at]
+    same = [
+        r
+        for r in run_dirs(results)
+        if r.path != candidate.path
+        and same_suite_and_machine(r.info(), info)
+        and r.info().started_at <= info.started_at
+    ]
     return max(same, key=lambda r: r.info().started_at, default=None)

@@ -60,8 +60,10 @@ MIN_FREE_BYTES = 64 * 2**20
 def check_free_space(path: Path) -> None:
     free = shutil.disk_usage(path).free
     if free < MIN_FREE_BYTES:
-        raise UsageError(f"results directory {path} has only {free / 2**20:.0f} MiB free; "
-                         f"zbench needs at least {MIN_FREE_BYTES / 2**20:.0f} MiB")
+        raise UsageError(
+            f"results directory {path} has only {free / 2**20:.0f} MiB free; "
+            f"zbench needs at least {MIN_FREE_BYTES / 2**20:.0f} MiB"
+        )
 
 
 def run_suite(suite: Suite, *, results_root: Path, resume: str | None = None, progress: Progress) -> RunResult:
@@ -75,15 +77,27 @@ def run_suite(suite: Suite, *, results_root: Path, resume: str | None = None, pr
         raise UsageError(str(exc)) from None
     except OSError as exc:
         stored = len(run.stored_case_ids()) if run.cases_dir.exists() else 0
-        raise UsageError(f"cannot write results under {run.path}: {exc.strerror or exc}; "
-                         f"{stored} case(s) stored so far, complete with --resume {run.run_id}") from None
+        raise UsageError(
+            f"cannot write results under {run.path}: {exc.strerror or exc}; "
+            f"{stored} case(s) stored so far, complete with --resume {run.run_id}"
+        ) from None
 
 
 def _run_cases(suite: Suite, run: RunDir, resume: str | None, progress: Progress) -> RunResult:
-    run.start(RunInfo(run_id=run.run_id, environment=environment.collect(), git_sha=environment.git_sha(),
-                      suite=SuiteInfo(name=suite.config.name, path=suite.path, sha256=suite.sha256,
-                                      config=suite.config.model_dump(mode="json")),
-                      case_order=[c.case_id for c in suite.cases]))
+    run.start(
+        RunInfo(
+            run_id=run.run_id,
+            environment=environment.collect(),
+            git_sha=environment.git_sha(),
+            suite=SuiteInfo(
+                name=suite.config.name,
+                path=suite.path,
+                sha256=suite.sha256,
+                config=suite.config.model_dump(mode="json"),
+            ),
+            case_order=[c.case_id for c in suite.cases],
+        )
+    )
     records: dict[str, CaseRecord] = {r.case_id: r for r in run.cases()} if resume else {}
     references = References(run, records.values())
     progress.start(run.run_id, run.path, len(suite.cases))
@@ -94,8 +108,10 @@ def _run_cases(suite: Suite, run: RunDir, resume: str | None, progress: Progress
         if not case.skip_reason and not case.is_reference and references.lost_params(case):
             reference = references.find(case)
             assert reference is not None  # lost_params says it exists
-            progress.note(f"[{index}/{len(suite.cases)}] re-running the DDP reference {reference.case_id}: "
-                          "its final parameters were deleted when the run finished")
+            progress.note(
+                f"[{index}/{len(suite.cases)}] re-running the DDP reference {reference.case_id}: "
+                "its final parameters were deleted when the run finished"
+            )
             _store(_run_guarded(reference.config, run, references, index, progress), run, records, references)
         record = skipped_record(case) if case.skip_reason else _run_guarded(case, run, references, index, progress)
         _store(record, run, records, references)
@@ -138,8 +154,11 @@ class References:
     def lost_params(self, case: Case) -> bool:
         """The case's reference finished but its parameters are gone (a finished run, resumed)."""
         reference = self.find(case)
-        return reference is not None and reference.ok and (
-            reference.params_file is None or not (self.run.path / reference.params_file).exists())
+        return (
+            reference is not None
+            and reference.ok
+            and (reference.params_file is None or not (self.run.path / reference.params_file).exists())
+        )
 
     def release_params(self) -> list[CaseRecord]:
         """Delete the references' parameter files (unless kept); the records, rewritten without them."""
@@ -161,18 +180,24 @@ def _run_guarded(case: Case, run: RunDir, references: References, index: int, pr
     except OSError:
         raise  # the results cannot be stored (disk full, read-only): stop the run, not just this case
     except Exception as exc:
-        return failed_record(case, f"harness error: {type(exc).__name__}: {exc}",
-                             stderr_tail=traceback.format_exc()[-4000:])
+        return failed_record(
+            case, f"harness error: {type(exc).__name__}: {exc}", stderr_tail=traceback.format_exc()[-4000:]
+        )
 
 
 def _run_one(case: Case, run: RunDir, references: References, index: int, progress: Progress) -> CaseRecord:
     started_at, t0 = now(), time.monotonic()
     try:
-        with nvme.case_directory(case, run.run_id) as swap_dir, \
-                tempfile.TemporaryDirectory(prefix=f"zbench-{case.case_id}-") as tmp:
+        with (
+            nvme.case_directory(case, run.run_id) as swap_dir,
+            tempfile.TemporaryDirectory(prefix=f"zbench-{case.case_id}-") as tmp,
+        ):
             progress.case_started(index, case)
-            outcome = run_case(WorkerTask(case=case, swap_dir=swap_dir), Path(tmp),
-                               on_progress=lambda what: progress.case_update(index, case, what, time.monotonic() - t0))
+            outcome = run_case(
+                WorkerTask(case=case, swap_dir=swap_dir),
+                Path(tmp),
+                on_progress=lambda what: progress.case_update(index, case, what, time.monotonic() - t0),
+            )
             record = case_record(case, outcome, started_at=started_at, ended_at=now())
             if outcome.params_path is not None:
                 move_into_place(outcome.params_path, run.params_path(case.case_id))
@@ -189,15 +214,21 @@ def _run_one(case: Case, run: RunDir, references: References, index: int, progre
 
 def _compare_with_reference(record: CaseRecord, run: RunDir, reference: CaseRecord | None) -> None:
     if reference is None or not reference.ok:
-        why = "no DDP case with the same model, world size, precision and seed" if reference is None \
+        why = (
+            "no DDP case with the same model, world size, precision and seed"
+            if reference is None
             else f"the DDP reference {reference.case_id} did not finish ({reference.status})"
+        )
         record.equivalence = equivalence.not_checked(why)
         return
     ref_median = reference.step_time_median_s
     median = record.step_time_median_s
     record.ratio_to_ddp = median / ref_median if median and ref_median else None
     record.equivalence = equivalence.verdict(
-        losses=record.losses(), reference_losses=reference.losses(),
+        losses=record.losses(),
+        reference_losses=reference.losses(),
         params_path=run.path / record.params_file if record.params_file else None,
         reference_params_path=run.path / reference.params_file if reference.params_file else None,
-        precision=record.config.precision, reference_case=reference.case_id)
+        precision=record.config.precision,
+        reference_case=reference.case_id,
+    )

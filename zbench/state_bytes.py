@@ -48,16 +48,18 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None], *, compute_device: torc
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every tensor in an optimizer's state except scalar step counters."""
-    return [v for state in optimizer.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor) and v.numel() > 1]
+    return [
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1
+    ]
 
 
 def empty_state_bytes() -> dict[str, dict[str, int]]:
     return {c: {loc: 0 for loc in LOCATIONS} for c in CATEGORIES}
 
 
-def module_state_bytes(params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-                       *, compute_device: torch.device) -> dict[str, dict[str, int]]:
+def module_state_bytes(
+    params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer, *, compute_device: torch.device
+) -> dict[str, dict[str, int]]:
     """State bytes of a plain (non-ZeRO-layout) trainer: parameters, their ``.grad`` and the optimizer state."""
     params = list(params)
     out = empty_state_bytes()
@@ -70,5 +72,6 @@ def module_state_bytes(params: Iterable[torch.nn.Parameter], optimizer: torch.op
 def moved_to_host(state: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """The same bytes counted as host memory: for trainers whose whole sharded state lives there
     (FSDP2's CPU offload), which on a CPU-only run would otherwise count as the compute device."""
-    return {cat: {"device": 0, "host": locs["device"] + locs["host"], "disk": locs["disk"]}
-            for cat, locs in state.items()}
+    return {
+        cat: {"device": 0, "host": locs["device"] + locs["host"], "disk": locs["disk"]} for cat, locs in state.items()
+    }

@@ -95,7 +95,9 @@ class RunDir:
         self.write_info(self.info().model_copy(update={"ended_at": now()}))
 
     def write_case(self, record: CaseRecord) -> None:
-        atomic_write_json(self.case_path(record.case_id), record.model_copy(update={"run_id": self.run_id}).to_json_dict())
+        atomic_write_json(
+            self.case_path(record.case_id), record.model_copy(update={"run_id": self.run_id}).to_json_dict()
+        )
 
     def cases(self) -> list[CaseRecord]:
         return [_read(CaseRecord.read, p) for p in sorted(self.cases_dir.glob("*.json"))]
@@ -110,7 +112,9 @@ def _read(reader: Callable[[Path], T], path: Path) -> T:
         return reader(path)
     except (ValueError, ValidationError) as exc:  # JSONDecodeError and pydantic's errors are ValueErrors
         first = str(exc).strip().splitlines()
-        raise UsageError(f"{path}: not a zbench result file this version can read ({first[0] if first else exc})") from None
+        raise UsageError(
+            f"{path}: not a zbench result file this version can read ({first[0] if first else exc})"
+        ) from None
 
 
 def run_dirs(results: Path) -> Iterator[RunDir]:
@@ -141,13 +145,28 @@ def load_cases(results: Path) -> pd.DataFrame:
     for run in run_dirs(results):
         info = run.info()
         for case in run.cases():
-            rows.append({"run_id": run.run_id, "git_sha": info.git_sha, "started_at": info.started_at,
-                         **case.summary_row().model_dump()})
+            rows.append(
+                {
+                    "run_id": run.run_id,
+                    "git_sha": info.git_sha,
+                    "started_at": info.started_at,
+                    **case.summary_row().model_dump(),
+                }
+            )
     return pd.DataFrame(rows)
 
 
-STEP_IDENTITY = {"case_id", "model", "implementation", "stage", "world_size", "precision", "offload", "device",
-                 "status"}
+STEP_IDENTITY = {
+    "case_id",
+    "model",
+    "implementation",
+    "stage",
+    "world_size",
+    "precision",
+    "offload",
+    "device",
+    "status",
+}
 """The columns of ``load_cases`` repeated on every row of ``load_steps``."""
 
 
@@ -185,7 +204,9 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RunLocked(f"run {self.path.parent.name} is being written by another zbench process (pid {holder})") from None
+            raise RunLocked(
+                f"run {self.path.parent.name} is being written by another zbench process (pid {holder})"
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._fd = fd

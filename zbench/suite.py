@@ -71,7 +71,9 @@ class SuiteConfig(_Frozen):
     description: str = ""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     models: Annotated[list[str], BeforeValidator(_as_list)] = Field(min_length=1)
-    implementations: Annotated[list[ImplementationEntry], BeforeValidator(_implementation_entries)] = Field(min_length=1)
+    implementations: Annotated[list[ImplementationEntry], BeforeValidator(_implementation_entries)] = Field(
+        min_length=1
+    )
     world_sizes: Annotated[list[Annotated[int, Field(ge=1)]], BeforeValidator(_as_list)] = Field(min_length=1)
     precisions: Annotated[list[Precision], BeforeValidator(_as_list)] = ["fp32"]
     offload: Annotated[list[Offload], BeforeValidator(_as_list)] = ["none"]
@@ -100,7 +102,7 @@ class SuiteConfig(_Frozen):
         return models
 
     @model_validator(mode="after")
-    def _consistent(self) -> "SuiteConfig":
+    def _consistent(self) -> SuiteConfig:
         if self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be less than steps ({self.steps})")
         if self.seq_len is not None:

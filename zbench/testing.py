@@ -24,20 +24,41 @@ from zbench.runner import run_suite
 from zbench.values import Precision
 
 
-def assert_equivalent_to_ddp(implementation: str, *, model: str = "tiny", world_size: int = 2, steps: int = 10,
-                             precision: Precision = "fp32", device: str = "cpu", grad_accum: int = 1,
-                             grad_clip: float | None = None, options: dict[str, Any] | None = None,
-                             timeout_s: float = 300, results: str | Path | None = None) -> CaseRecord:
+def assert_equivalent_to_ddp(
+    implementation: str,
+    *,
+    model: str = "tiny",
+    world_size: int = 2,
+    steps: int = 10,
+    precision: Precision = "fp32",
+    device: str = "cpu",
+    grad_accum: int = 1,
+    grad_clip: float | None = None,
+    options: dict[str, Any] | None = None,
+    timeout_s: float = 300,
+    results: str | Path | None = None,
+) -> CaseRecord:
     """Train ``implementation`` and DDP on the same model, data and seed; fail unless they agree.
 
     Returns the implementation's case record (step times, memory, the equivalence figures).
     ``results`` keeps the result files; by default they go to a temporary directory.
     """
-    config = suite_mod.from_dict({
-        "name": "zbench.testing", "device": device, "models": [model], "world_sizes": [world_size],
-        "implementations": ["ddp", {"name": implementation, "options": options or {}}], "precisions": [precision],
-        "steps": steps, "warmup_steps": min(3, steps - 1), "grad_accum": grad_accum, "grad_clip": grad_clip,
-        "timeout_s": timeout_s}, source="assert_equivalent_to_ddp")
+    config = suite_mod.from_dict(
+        {
+            "name": "zbench.testing",
+            "device": device,
+            "models": [model],
+            "world_sizes": [world_size],
+            "implementations": ["ddp", {"name": implementation, "options": options or {}}],
+            "precisions": [precision],
+            "steps": steps,
+            "warmup_steps": min(3, steps - 1),
+            "grad_accum": grad_accum,
+            "grad_clip": grad_clip,
+            "timeout_s": timeout_s,
+        },
+        source="assert_equivalent_to_ddp",
+    )
     suite = preflight.prepare(suite_mod.from_flags(config))
     with tempfile.TemporaryDirectory(prefix="zbench-testing-") as tmp:
         result = run_suite(suite, results_root=Path(results or tmp), progress=Progress(quiet=True))
@@ -51,5 +72,6 @@ def assert_equivalent_to_ddp(implementation: str, *, model: str = "tiny", world_
             f"{implementation} is not equivalent to DDP: {eq.reason if eq else 'not checked'} "
             f"(max rel loss diff {eq.max_rel_loss_diff if eq else None}, param rel L2 diff "
             f"{eq.max_rel_param_diff if eq else None} in {eq.worst_parameter if eq else None}, "
-            f"tolerance {eq.tolerance_rel if eq else None})")
+            f"tolerance {eq.tolerance_rel if eq else None})"
+        )
     return record

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -64,8 +65,10 @@ def check_engine(engine: object, name: str) -> Engine:
     """The engine an implementation built, checked against the protocol (a plug-in may lack a member)."""
     missing = [m for m in ("step", "full_parameters", "state_bytes", "metrics", "close") if not hasattr(engine, m)]
     if missing:
-        raise TypeError(f"implementation {name!r} built an engine without {', '.join(missing)} "
-                        "(see zbench.protocol.Engine; zbench.protocol.EngineBase supplies metrics and close)")
+        raise TypeError(
+            f"implementation {name!r} built an engine without {', '.join(missing)} "
+            "(see zbench.protocol.Engine; zbench.protocol.EngineBase supplies metrics and close)"
+        )
     return engine  # type: ignore[return-value]  # checked member by member above
 
 
@@ -75,8 +78,10 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
     data_cfg = dataclasses.replace(cfg, seq=case.seq_len)
     implementation = registry.resolve(case.implementation)
     model = build_model(case.model, seed=case.seed, device=device)
-    engine = check_engine(implementation.build(model, case.train_spec(device, swap_dir=task.swap_dir),
-                                               dist.group.WORLD), case.implementation)
+    engine = check_engine(
+        implementation.build(model, case.train_spec(device, swap_dir=task.swap_dir), dist.group.WORLD),
+        case.implementation,
+    )
     rows = case.micro_batch * case.grad_accum * world
     losses: list[float] = []
     times: list[float] = []
@@ -90,13 +95,13 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
     try:
         for step in range(case.steps):
             batch = synthetic_batch(data_cfg, seed=case.seed, step=step, rows=rows)
-            micro_batches = rank_micro_batches(batch, rank=rank, world=world, grad_accum=case.grad_accum,
-                                               device=device)
+            micro_batches = rank_micro_batches(batch, rank=rank, world=world, grad_accum=case.grad_accum, device=device)
             comms.take()  # drop set-up traffic (DDP's initial broadcast, the bandwidth probe, ...)
             if sampler is not None and step == case.warmup_steps:
                 sampler.mark()
-            loss, seconds = timed(lambda: clock.run(lambda: engine.step(micro_batches)), device=device,
-                                  barrier=dist.barrier)
+            loss, seconds = timed(
+                partial(clock.run, partial(engine.step, micro_batches)), device=device, barrier=dist.barrier
+            )
             comm_steps.append([CollectiveEntry(**e) for e in comms.take()])
             phases.append(PhaseSample(**clock.read()))
             losses.append(float(loss))
@@ -113,18 +118,31 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
         engine.close()  # e.g. remove NVMe swap files
     if rank == 0:
         atomic_torch_save(params, files.params)
-    return RankResult(rank=rank, losses=losses, step_times_s=times, metrics=metrics, comms=comm_steps, phases=phases,
-                      clock=clock_name(device), bus_bandwidth_bytes_per_s=bandwidth,
-                      expected_comm_elements=expected_comm_elements(implementation, cfg, world, case.stage),
-                      memory=RankMemory(**memory), state_bytes=state, nvml=NvmlSummary(**nvml),
-                      gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                      parameters=cfg.num_parameters)
+    return RankResult(
+        rank=rank,
+        losses=losses,
+        step_times_s=times,
+        metrics=metrics,
+        comms=comm_steps,
+        phases=phases,
+        clock=clock_name(device),
+        bus_bandwidth_bytes_per_s=bandwidth,
+        expected_comm_elements=expected_comm_elements(implementation, cfg, world, case.stage),
+        memory=RankMemory(**memory),
+        state_bytes=state,
+        nvml=NvmlSummary(**nvml),
+        gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        parameters=cfg.num_parameters,
+    )
 
 
 def is_oom(exc: BaseException) -> bool:
     text = str(exc).lower()
-    return (isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
-            or "can't allocate memory" in text)  # the CPU allocator's wording
+    return (
+        isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+        or "out of memory" in text
+        or "can't allocate memory" in text
+    )  # the CPU allocator's wording
 
 
 def die_with_parent() -> None:
@@ -141,7 +159,9 @@ def die_with_parent() -> None:
 def main(argv: list[str]) -> int:
     die_with_parent()
     comms.install()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's "where are you stuck?" before a timeout kill
+    faulthandler.register(
+        signal.SIGUSR1, all_threads=True
+    )  # the launcher's "where are you stuck?" before a timeout kill
     files = CaseFiles(Path(argv[0]))
     task = WorkerTask.model_validate_json(files.task.read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -150,13 +170,21 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(int(os.environ.get("ZBENCH_THREADS_PER_RANK", max(1, (os.cpu_count() or 1) // world))))
     try:
         device = pick_device(task.case, local_rank)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=task.case.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=task.case.timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
         result = train(task, files, rank, world, device)
     except BaseException as exc:  # recorded for the launcher, then the process dies without waiting on peers
-        error = RankError(rank=rank, kind="oom" if is_oom(exc) else "error",
-                          message=f"{type(exc).__name__}: {exc}".strip()[:2000], traceback=traceback.format_exc()[-8000:])
+        error = RankError(
+            rank=rank,
+            kind="oom" if is_oom(exc) else "error",
+            message=f"{type(exc).__name__}: {exc}".strip()[:2000],
+            traceback=traceback.format_exc()[-8000:],
+        )
         atomic_write_json(files.error(rank), error.model_dump(mode="json"))
         traceback.print_exc()
         sys.stderr.flush()

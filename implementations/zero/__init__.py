@@ -39,14 +39,18 @@ from zbench.implementations.zero.stage3 import ZeRO3Engine
 from zbench.presets import GPTConfig
 from zbench.protocol import Capabilities, Engine, TrainSpec
 
-__all__ = ["ZERO1", "ZERO2", "ZERO3", "ZeroImplementation", "ZeroOptions", "ZeRO1Engine", "ZeRO2Engine",
-           "ZeRO3Engine"]
+__all__ = ["ZERO1", "ZERO2", "ZERO3", "ZeRO1Engine", "ZeRO2Engine", "ZeRO3Engine", "ZeroImplementation", "ZeroOptions"]
 
 
 def _capabilities(stage: int) -> Capabilities:
-    return Capabilities(stages=frozenset({stage}), precisions=frozenset({"fp32", "bf16", "fp16"}),
-                        offload=SUPPORTED[stage], devices=frozenset({"cpu", "cuda"}),
-                        optimizers=frozenset({"adamw", "sgd"}), keeps_master_weights=True)
+    return Capabilities(
+        stages=frozenset({stage}),
+        precisions=frozenset({"fp32", "bf16", "fp16"}),
+        offload=SUPPORTED[stage],
+        devices=frozenset({"cpu", "cuda"}),
+        optimizers=frozenset({"adamw", "sgd"}),
+        keeps_master_weights=True,
+    )
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,15 @@ class ZeroImplementation:
         return 3 * psi - root - (cfg.block_parameters if cfg.layers else 0)
 
     def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> Engine:
-        reason = self.capabilities.why_unsupported(stage=self.stage, precision=spec.precision, offload=spec.offload,
-                                                   device=spec.device.type, optimizer=spec.optimizer,
-                                                   grad_accum=spec.grad_accum, grad_clip=spec.grad_clip)
+        reason = self.capabilities.why_unsupported(
+            stage=self.stage,
+            precision=spec.precision,
+            offload=spec.offload,
+            device=spec.device.type,
+            optimizer=spec.optimizer,
+            grad_accum=spec.grad_accum,
+            grad_clip=spec.grad_clip,
+        )
         if reason is not None:
             raise ValueError(f"{self.name}: {reason}")
         return self.engine(model, spec, group)

@@ -22,16 +22,23 @@ def save(path: str | os.PathLike, state: dict, *, comm: Comm, stage: int, layout
     """Write this rank's ``state`` (atomically), then wait until every rank has written its own."""
     target = shard_path(path, comm.rank)
     target.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"format": FORMAT, "stage": stage, "world": comm.world, "rank": comm.rank,
-               "numels": [layout.numel for layout in layouts], "state": state}
+    payload = {
+        "format": FORMAT,
+        "stage": stage,
+        "world": comm.world,
+        "rank": comm.rank,
+        "numels": [layout.numel for layout in layouts],
+        "state": state,
+    }
     tmp = target.with_name(target.name + ".tmp")
     torch.save(payload, tmp)
     os.replace(tmp, target)
     comm.barrier()
 
 
-def load(path: str | os.PathLike, *, comm: Comm, stage: int, layouts: Sequence[FlatLayout],
-         device: torch.device) -> dict:
+def load(
+    path: str | os.PathLike, *, comm: Comm, stage: int, layouts: Sequence[FlatLayout], device: torch.device
+) -> dict:
     """This rank's state from a checkpoint written by the same stage at the same world size."""
     source = shard_path(path, comm.rank)
     if not source.is_file():
@@ -39,10 +46,11 @@ def load(path: str | os.PathLike, *, comm: Comm, stage: int, layouts: Sequence[F
     payload = torch.load(source, map_location=device, weights_only=True)
     if payload.get("format") != FORMAT:
         raise ValueError(f"{source}: checkpoint format {payload.get('format')!r}, expected {FORMAT}")
-    expected = {"stage": stage, "world": comm.world, "rank": comm.rank,
-                "numels": [layout.numel for layout in layouts]}
+    expected = {"stage": stage, "world": comm.world, "rank": comm.rank, "numels": [layout.numel for layout in layouts]}
     for key, value in expected.items():
         if payload[key] != value:
-            raise ValueError(f"{source}: checkpoint {key} is {payload[key]!r}, this engine has {value!r} "
-                             "(resume with the same stage, world size and model)")
+            raise ValueError(
+                f"{source}: checkpoint {key} is {payload[key]!r}, this engine has {value!r} "
+                "(resume with the same stage, world size and model)"
+            )
     return payload["state"]

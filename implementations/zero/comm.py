@@ -66,8 +66,9 @@ class Comm:
         else:
             raise ValueError("a process group was given but torch.distributed is not initialized")
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False,
-                       scratch: bool = False) -> Handle:
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False, scratch: bool = False
+    ) -> Handle:
         """Sum ``inp`` (``world * out.numel()`` elements) over the group; this rank's slice lands in ``out``.
 
         ``out`` may be this rank's own slice of ``inp`` (in place). ``scratch`` says the caller will
@@ -86,7 +87,7 @@ class Comm:
             n = out.numel()
             with recorded_as("reduce_scatter", inp.numel()):
                 work = dist.all_reduce(inp, group=self.group, async_op=True)
-            handle: Handle = _SliceOnWait(work, out, inp[self.rank * n:(self.rank + 1) * n])
+            handle: Handle = _SliceOnWait(work, out, inp[self.rank * n : (self.rank + 1) * n])
         else:
             handle = _reduce_scatter(out, inp, group=self.group, async_op=True)
         if not async_op:

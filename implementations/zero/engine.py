@@ -24,7 +24,6 @@ from zbench.implementations.zero.precision import LossScaler
 from zbench.implementations.zero.state import gather_full_parameters
 from zbench.protocol import MicroBatch, TrainSpec
 
-
 GATHERS_IN_FLIGHT = 2
 
 
@@ -62,21 +61,36 @@ class ShardedEngine:
         return self.groups
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return gather_full_parameters([g.layout for g in self.flat_groups()], self.optimizer.masters.masters(),
-                                      comm=self.comm, order=self.names, device=self.spec.device)
+        return gather_full_parameters(
+            [g.layout for g in self.flat_groups()],
+            self.optimizer.masters.masters(),
+            comm=self.comm,
+            order=self.names,
+            device=self.spec.device,
+        )
 
     def metrics(self) -> dict[str, float]:
         return {**self.scaler.metrics(), **self.optimizer.metrics()}
 
     def save(self, path: str | os.PathLike) -> None:
         """A sharded checkpoint; offloaded state is read back (from the host or from disk) into it."""
-        checkpoint.save(path, self.optimizer.state_dict(), comm=self.comm, stage=self.stage,
-                        layouts=[g.layout for g in self.flat_groups()])
+        checkpoint.save(
+            path,
+            self.optimizer.state_dict(),
+            comm=self.comm,
+            stage=self.stage,
+            layouts=[g.layout for g in self.flat_groups()],
+        )
 
     def load(self, path: str | os.PathLike) -> None:
         """Resume from ``save``'s checkpoint under any offload mode; state goes where this engine keeps it."""
-        state = checkpoint.load(path, comm=self.comm, stage=self.stage,
-                                layouts=[g.layout for g in self.flat_groups()], device=self.optimizer.masters.home)
+        state = checkpoint.load(
+            path,
+            comm=self.comm,
+            stage=self.stage,
+            layouts=[g.layout for g in self.flat_groups()],
+            device=self.optimizer.masters.home,
+        )
         self.optimizer.load_state_dict(state)
         self.refresh_parameters()
 

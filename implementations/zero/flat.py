@@ -49,14 +49,14 @@ class FlatLayout:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's shaped view into ``flat`` (a buffer of ``padded_numel`` elements)."""
-        return [flat[o:o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
+        return [flat[o : o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
 
     def flatten(self, tensors: Sequence[torch.Tensor], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A new padded flat buffer holding ``tensors`` (one per parameter), padding zeroed."""
         flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
         for view, t in zip(self.views(flat), tensors):
             view.copy_(t)
-        flat[self.numel:].zero_()
+        flat[self.numel :].zero_()
         return flat
 
 

@@ -53,6 +53,7 @@ class _FedByAutograd:
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def on_grad(param: torch.Tensor) -> None:
             self.add(index, param)
+
         return on_grad
 
 
@@ -65,8 +66,9 @@ class AccumulatedGradBucket(_FedByAutograd):
     fp32 slice.
     """
 
-    def __init__(self, layout: FlatLayout, *, comm: Comm, dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, layout: FlatLayout, *, comm: Comm, dtype: torch.dtype, reduce_dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.layout = layout
         self.comm = comm
         self.reduce_dtype = reduce_dtype
@@ -173,8 +175,17 @@ class GradBucket(_FedByAutograd):
     add to it (the loss is already divided by the number of micro-batches, as in DDP).
     """
 
-    def __init__(self, layout: FlatLayout, *, comm: Comm, reduce_dtype: torch.dtype, grad_shard: GradShard,
-                 device: torch.device, inflight: InFlight, on_launch: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        layout: FlatLayout,
+        *,
+        comm: Comm,
+        reduce_dtype: torch.dtype,
+        grad_shard: GradShard,
+        device: torch.device,
+        inflight: InFlight,
+        on_launch: Callable[[], None] | None = None,
+    ) -> None:
         self.layout = layout
         self.comm = comm
         self.reduce_dtype = reduce_dtype
@@ -211,7 +222,7 @@ class GradBucket(_FedByAutograd):
 
     def _allocate(self) -> None:
         self._buffer = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.device)
-        self._buffer[self.layout.numel:].zero_()
+        self._buffer[self.layout.numel :].zero_()
         self._views = self.layout.views(self._buffer)
 
     def _launch(self) -> None:
@@ -224,8 +235,11 @@ class GradBucket(_FedByAutograd):
             if not arrived:  # a parameter that got no gradient this micro-batch contributes zeros
                 view.zero_()
         direct = self.grad_shard.direct_out(fresh=self._fresh, dtype=self.reduce_dtype)
-        self._out = direct if direct is not None else torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
-                                                                  device=self.device)
+        self._out = (
+            direct
+            if direct is not None
+            else torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        )
         self._work = self.comm.reduce_scatter(self._out, self._buffer, async_op=True, scratch=True)
         if self._on_launch is not None:
             self._on_launch()

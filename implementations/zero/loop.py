@@ -10,8 +10,9 @@ from zbench.implementations.zero.precision import LossScaler
 from zbench.protocol import MicroBatch, TrainSpec
 
 
-def forward_backward(model: nn.Module, batch: MicroBatch, *, spec: TrainSpec, scaler: LossScaler,
-                     n: int) -> torch.Tensor:
+def forward_backward(
+    model: nn.Module, batch: MicroBatch, *, spec: TrainSpec, scaler: LossScaler, n: int
+) -> torch.Tensor:
     """Forward under autocast (a no-op in fp32), backward of the scaled ``loss / n``; returns the unscaled loss."""
     with autocast(spec):
         loss = model(*batch)

@@ -25,8 +25,8 @@ import torch
 from zbench.implementations.zero.offload import host_empty
 from zbench.implementations.zero.state import Held
 from zbench.implementations.zero.tiers import DeviceShard, ParamTier
-from zbench.state_bytes import optimizer_tensors
 from zbench.protocol import TrainSpec
+from zbench.state_bytes import optimizer_tensors
 
 
 class MasterStore(Protocol):

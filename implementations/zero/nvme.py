@@ -110,8 +110,12 @@ class NvmeMasters:
 
     def add(self, master: torch.Tensor, tier: ParamTier) -> None:
         numel = master.numel()
-        group = _Group(numel, self.swap.file("master_weights").allocate(numel, torch.float32),
-                       {k: self.swap.file("optimizer_state").allocate(numel, torch.float32) for k in self.keys}, tier)
+        group = _Group(
+            numel,
+            self.swap.file("master_weights").allocate(numel, torch.float32),
+            {k: self.swap.file("optimizer_state").allocate(numel, torch.float32) for k in self.keys},
+            tier,
+        )
         group.master.write(master.detach().to("cpu", torch.float32).contiguous())
         index = len(self._groups)
         self._groups.append(group)
@@ -147,8 +151,8 @@ class NvmeMasters:
                 if j + 1 < n:
                     reading = self.swap.submit(self._read, j + 1, slots[(j + 1) % self.SLOTS])
                     jobs.append(reading)
-                self._step_one(j, slot, grads[sub.group][sub.lo:sub.hi])
-                self._groups[sub.group].tier.update(sub.lo, sub.hi, slot.master[:sub.numel])
+                self._step_one(j, slot, grads[sub.group][sub.lo : sub.hi])
+                self._groups[sub.group].tier.update(sub.lo, sub.hi, slot.master[: sub.numel])
                 if self.device.type == "cuda":  # the tier's copy to the device reads this slot
                     slot.uploaded = torch.cuda.Event()
                     slot.uploaded.record()
@@ -168,10 +172,10 @@ class NvmeMasters:
             slot.uploaded = None
         sub = self._subs[j]
         group = self._groups[sub.group]
-        group.master.read(slot.master[:sub.numel], sub.lo)
+        group.master.read(slot.master[: sub.numel], sub.lo)
         if self._started:
             for k, region in group.state.items():
-                region.read(slot.state[k][:sub.numel], sub.lo)
+                region.read(slot.state[k][: sub.numel], sub.lo)
         self._record("read", j, "end")
 
     def _write(self, j: int, slot: _Slot) -> None:
@@ -179,9 +183,9 @@ class NvmeMasters:
         self._record("write", j, "begin")
         sub = self._subs[j]
         group = self._groups[sub.group]
-        group.master.write(slot.master[:sub.numel], sub.lo)
+        group.master.write(slot.master[: sub.numel], sub.lo)
         for k, region in group.state.items():
-            region.write(slot.state[k][:sub.numel], sub.lo)
+            region.write(slot.state[k][: sub.numel], sub.lo)
         self._record("write", j, "end")
 
     def _step_one(self, j: int, slot: _Slot, grad: torch.Tensor) -> None:
@@ -230,16 +234,20 @@ class NvmeMasters:
                 entry = {k: v.clone() if torch.is_tensor(v) else v for k, v in first.state.items()}
                 entry.update({k: self._read_whole(region) for k, region in group.state.items()})
                 state[i] = entry
-        return {"masters": [self._read_whole(g.master) for g in self._groups],
-                "optimizer": {"state": state, "param_groups": [{**hyper, "params": list(range(len(self._groups)))}]}}
+        return {
+            "masters": [self._read_whole(g.master) for g in self._groups],
+            "optimizer": {"state": state, "param_groups": [{**hyper, "params": list(range(len(self._groups)))}]},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         check_masters(state["masters"], [g.numel for g in self._groups])
         saved = state["optimizer"]
         entries = {int(i): e for i, e in saved["state"].items()}
         if entries and set(entries) != set(range(len(self._groups))):
-            raise ValueError(f"checkpoint has optimizer state for groups {sorted(entries)}, "
-                             f"this engine has {len(self._groups)} groups")
+            raise ValueError(
+                f"checkpoint has optimizer state for groups {sorted(entries)}, "
+                f"this engine has {len(self._groups)} groups"
+            )
         self.swap.flush()
         for i, (group, master) in enumerate(zip(self._groups, state["masters"])):
             master = master.detach().to("cpu", torch.float32).contiguous()
@@ -253,15 +261,18 @@ class NvmeMasters:
         for sub in self._subs:
             sub.optimizer.state.clear()
             if entries:
-                sub.optimizer.state[sub.param] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                                                  for k, v in small[sub.group].items()}
+                sub.optimizer.state[sub.param] = {
+                    k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in small[sub.group].items()
+                }
             sub.optimizer.param_groups[0].update(hyper)
         self._started = bool(entries)
         self.swap.flush()
 
     def held(self) -> dict[str, Held]:
-        return {"optimizer_state": Held(disk=self.swap.disk_bytes("optimizer_state")),
-                "master_weights": Held(disk=self.swap.disk_bytes("master_weights"))}
+        return {
+            "optimizer_state": Held(disk=self.swap.disk_bytes("optimizer_state")),
+            "master_weights": Held(disk=self.swap.disk_bytes("master_weights")),
+        }
 
     def close(self) -> None:
         self._slots = None

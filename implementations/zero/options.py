@@ -52,8 +52,10 @@ class ZeroOptions:
         if not self.initial_loss_scale > 0:
             raise ValueError(f"zero option initial_loss_scale must be > 0, got {self.initial_loss_scale!r}")
         if not isinstance(self.loss_scale_growth_interval, int) or self.loss_scale_growth_interval < 1:
-            raise ValueError("zero option loss_scale_growth_interval must be an integer >= 1, "
-                             f"got {self.loss_scale_growth_interval!r}")
+            raise ValueError(
+                "zero option loss_scale_growth_interval must be an integer >= 1, "
+                f"got {self.loss_scale_growth_interval!r}"
+            )
         if not self.nvme_chunk_mb > 0:
             raise ValueError(f"zero option nvme_chunk_mb must be > 0, got {self.nvme_chunk_mb!r}")
 

@@ -72,8 +72,14 @@ class ShardedParams:
     gather, which then takes it as its input.
     """
 
-    def __init__(self, named: NamedParams, *, comm: Comm, dtype: torch.dtype,
-                 tier: Callable[[torch.Tensor], ParamTier] = DeviceShard) -> None:
+    def __init__(
+        self,
+        named: NamedParams,
+        *,
+        comm: Comm,
+        dtype: torch.dtype,
+        tier: Callable[[torch.Tensor], ParamTier] = DeviceShard,
+    ) -> None:
         self.comm = comm
         self.params = [p for _, p in named]
         self.layout = FlatLayout.of(named, world=comm.world)

@@ -29,8 +29,11 @@ from zbench.implementations.zero.tiers import DeviceGradShard, DeviceShard, Grad
 from zbench.protocol import TrainSpec
 
 #: Offload modes per stage: parameters can only leave the device when they are partitioned (stage 3).
-SUPPORTED = {1: frozenset({"none", "optimizer", "nvme"}), 2: frozenset({"none", "optimizer", "nvme"}),
-             3: frozenset({"none", "optimizer", "optimizer+params", "nvme"})}
+SUPPORTED = {
+    1: frozenset({"none", "optimizer", "nvme"}),
+    2: frozenset({"none", "optimizer", "nvme"}),
+    3: frozenset({"none", "optimizer", "optimizer+params", "nvme"}),
+}
 
 
 class Placement:
@@ -41,8 +44,9 @@ class Placement:
 
     def __init__(self, spec: TrainSpec, options: ZeroOptions, comm: Comm, *, stage: int) -> None:
         if spec.offload not in SUPPORTED[stage]:
-            raise ValueError(f"zero{stage}: offload {spec.offload!r} not supported "
-                             f"(supports {sorted(SUPPORTED[stage])})")
+            raise ValueError(
+                f"zero{stage}: offload {spec.offload!r} not supported (supports {sorted(SUPPORTED[stage])})"
+            )
         self.offload, self.stage, self.device = spec.offload, stage, spec.device
         self.swap = SwapDir(spec.nvme_dir, rank=comm.rank) if spec.offload == "nvme" else None
         offloaded = spec.offload != "none"

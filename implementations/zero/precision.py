@@ -31,8 +31,11 @@ class LossScaler:
 
     @classmethod
     def for_spec(cls, spec: TrainSpec, options: ZeroOptions) -> LossScaler:
-        return cls(enabled=spec.precision == "fp16", scale=float(options.initial_loss_scale),
-                   growth_interval=options.loss_scale_growth_interval)
+        return cls(
+            enabled=spec.precision == "fp16",
+            scale=float(options.initial_loss_scale),
+            growth_interval=options.loss_scale_growth_interval,
+        )
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss

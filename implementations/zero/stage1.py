@@ -7,9 +7,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from zbench.implementations._common import accumulate
+from zbench.implementations.zero.engine import ShardedEngine
 from zbench.implementations.zero.grads import AccumulatedGradBucket
 from zbench.implementations.zero.loop import forward_backward
-from zbench.implementations.zero.engine import ShardedEngine
 from zbench.implementations.zero.optim import ShardedOptimizer
 from zbench.implementations.zero.precision import LossScaler
 from zbench.implementations.zero.state import Held, total, zero_state_bytes
@@ -36,8 +36,9 @@ class ZeRO1Engine(ShardedEngine):
         self.reduced = [self.placement.reduced_grad(g.layout.shard_numel) for g in self.groups]
         self.buckets = []
         for group_ in self.groups:
-            bucket = AccumulatedGradBucket(group_.layout, comm=self.comm, dtype=spec.compute_dtype,
-                                           reduce_dtype=reduce_dtype, device=spec.device)
+            bucket = AccumulatedGradBucket(
+                group_.layout, comm=self.comm, dtype=spec.compute_dtype, reduce_dtype=reduce_dtype, device=spec.device
+            )
             bucket.attach(group_.params)
             self.buckets.append(bucket)
         self.scaler = LossScaler.for_spec(spec, self.options)
@@ -63,5 +64,8 @@ class ZeRO1Engine(ShardedEngine):
     def state_bytes(self) -> dict[str, dict[str, int]]:
         params = list(self.model.parameters())
         gradients = Held(device=[p.grad for p in params] + [b.buffer for b in self.buckets])
-        return zero_state_bytes(parameters=Held(device=params),
-                                gradients=gradients + total(r.held() for r in self.reduced), placement=self.placement)
+        return zero_state_bytes(
+            parameters=Held(device=params),
+            gradients=gradients + total(r.held() for r in self.reduced),
+            placement=self.placement,
+        )

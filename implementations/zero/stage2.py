@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from zbench.implementations.zero.grads import GradBucket, InFlight
 from zbench.implementations.zero.engine import ReducedEachMicroBatch
+from zbench.implementations.zero.grads import GradBucket, InFlight
 from zbench.implementations.zero.optim import ShardedOptimizer
 from zbench.implementations.zero.precision import LossScaler
 from zbench.implementations.zero.state import Held, total, zero_state_bytes
@@ -34,8 +34,14 @@ class ZeRO2Engine(ReducedEachMicroBatch):
         self.buckets = []
         for group_ in self.groups:
             shard = self.placement.grad_shard(group_.layout.shard_numel, dtype=spec.compute_dtype)
-            bucket = GradBucket(group_.layout, comm=self.comm, reduce_dtype=reduce_dtype, grad_shard=shard,
-                                device=spec.device, inflight=self.inflight)
+            bucket = GradBucket(
+                group_.layout,
+                comm=self.comm,
+                reduce_dtype=reduce_dtype,
+                grad_shard=shard,
+                device=spec.device,
+                inflight=self.inflight,
+            )
             bucket.attach(group_.params)
             self.buckets.append(bucket)
         self.scaler = LossScaler.for_spec(spec, self.options)

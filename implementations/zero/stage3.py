@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from zbench.implementations.zero.grads import GradBucket, InFlight
 from zbench.implementations.zero.engine import ReducedEachMicroBatch
+from zbench.implementations.zero.grads import GradBucket, InFlight
 from zbench.implementations.zero.optim import ShardedOptimizer
 from zbench.implementations.zero.params import ShardedParams
 from zbench.implementations.zero.precision import LossScaler
@@ -45,6 +45,7 @@ def weakly(method: Callable[[], None]) -> Callable[[], None]:
         target = ref()
         if target is not None:
             target()
+
     return call
 
 
@@ -137,8 +138,15 @@ class ZeRO3Engine(ReducedEachMicroBatch):
         self.buckets = []
         for unit in self.units:
             shard = self.placement.grad_shard(unit.layout.shard_numel, dtype=dtype)
-            bucket = GradBucket(unit.layout, comm=self.comm, reduce_dtype=reduce_dtype, grad_shard=shard,
-                                device=spec.device, inflight=self.inflight, on_launch=weakly(unit.reshard))
+            bucket = GradBucket(
+                unit.layout,
+                comm=self.comm,
+                reduce_dtype=reduce_dtype,
+                grad_shard=shard,
+                device=spec.device,
+                inflight=self.inflight,
+                on_launch=weakly(unit.reshard),
+            )
             bucket.attach(unit.params)
             self.buckets.append(bucket)
         Schedule(self.root, self.blocks, prefetch=self.options.prefetch).install(model)

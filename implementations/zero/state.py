@@ -71,8 +71,14 @@ def zero_state_bytes(*, parameters: Held, gradients: Held, placement: Placement)
     return out
 
 
-def gather_full_parameters(layouts: Sequence[FlatLayout], masters: Iterable[torch.Tensor], *, comm: Comm,
-                           order: Sequence[str], device: torch.device) -> dict[str, torch.Tensor]:
+def gather_full_parameters(
+    layouts: Sequence[FlatLayout],
+    masters: Iterable[torch.Tensor],
+    *,
+    comm: Comm,
+    order: Sequence[str],
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
     """Every parameter in fp32 on the CPU, all-gathered from the master shards, keyed and ordered by ``order``.
 
     ``masters`` yields each group's fp32 master shard in turn (wherever it lives: it is moved to the

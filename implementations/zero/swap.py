@@ -97,8 +97,9 @@ class Region:
 
     def _check(self, t: torch.Tensor, start: int) -> int:
         if t.dtype != self.dtype or start < 0 or start + t.numel() > self.numel:
-            raise ValueError(f"{t.numel()} {t.dtype} elements from {start} do not fit a region of "
-                             f"{self.numel} {self.dtype}")
+            raise ValueError(
+                f"{t.numel()} {t.dtype} elements from {start} do not fit a region of {self.numel} {self.dtype}"
+            )
         return self.offset + start * self.itemsize
 
     def read(self, out: torch.Tensor, start: int = 0) -> None:

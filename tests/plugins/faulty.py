@@ -4,7 +4,8 @@
 ``fault: unsynced`` forgets to average one parameter's gradient across ranks
 (a classic hook bug: training goes on, quietly wrong); ``crash`` raises on
 rank 1; ``oom`` asks for an impossible allocation; ``hang`` leaves rank 1
-asleep so rank 0 blocks in a collective; ``sigkill`` kills rank 1 by a signal; ``abort_at_exit`` aborts rank 1 at interpreter exit; ``slow`` sleeps ``slow_s`` per step.
+asleep so rank 0 blocks in a collective; ``sigkill`` kills rank 1 by a signal; ``abort_at_exit`` aborts rank 1
+at interpreter exit; ``slow`` sleeps ``$ZBENCH_TEST_SLOWDOWN_S`` seconds per step.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zbench.implementations.ddp import DDPEngine
-from zbench.state_bytes import module_state_bytes
 from zbench.protocol import Capabilities, EngineBase, ImplementationBase, TrainSpec
+from zbench.state_bytes import module_state_bytes
 
 
 class UnsyncedEngine(EngineBase):

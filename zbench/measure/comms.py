@@ -62,8 +62,12 @@ def _kernel(op_name: str) -> Callable[..., Any]:
                 _record(label.op, tensors[0].dtype, label.elements, label.elements * tensors[0].element_size())
                 label.recorded = True
         elif tensors:
-            _record(name, tensors[0].dtype, factor * sum(t.numel() for t in tensors),
-                    factor * sum(t.numel() * t.element_size() for t in tensors))
+            _record(
+                name,
+                tensors[0].dtype,
+                factor * sum(t.numel() for t in tensors),
+                factor * sum(t.numel() * t.element_size() for t in tensors),
+            )
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args, **kwargs)
 
@@ -100,8 +104,10 @@ def uninstall() -> None:
 def take() -> list[dict]:
     """The collectives recorded since the last ``take()``, then reset: ``[{op, dtype, count, elements, bytes}]``."""
     with _lock:
-        out = [{"op": op, "dtype": dtype, "count": c, "elements": e, "bytes": b}
-               for (op, dtype), (c, e, b) in sorted(_entries.items())]
+        out = [
+            {"op": op, "dtype": dtype, "count": c, "elements": e, "bytes": b}
+            for (op, dtype), (c, e, b) in sorted(_entries.items())
+        ]
         _entries.clear()
     return out
 

@@ -39,11 +39,16 @@ def peak_tflops(gpu_name: str | None, precision: str) -> float | None:
     return None
 
 
-def derived(cfg: GPTConfig, *, tokens_per_step: int, step_time_s: float, world: int, precision: str,
-            gpu_name: str | None) -> dict[str, float | None]:
+def derived(
+    cfg: GPTConfig, *, tokens_per_step: int, step_time_s: float, world: int, precision: str, gpu_name: str | None
+) -> dict[str, float | None]:
     """Achieved model TFLOP/s per rank and, where the peak is known, MFU."""
     flops_per_token = cfg.flops_per_token()
     tflops_per_rank = flops_per_token * tokens_per_step / step_time_s / world / 1e12
     peak = peak_tflops(gpu_name, precision)
-    return {"model_flops_per_token": flops_per_token, "tflops_per_rank": tflops_per_rank,
-            "peak_tflops": peak, "mfu": tflops_per_rank / peak if peak else None}
+    return {
+        "model_flops_per_token": flops_per_token,
+        "tflops_per_rank": tflops_per_rank,
+        "peak_tflops": peak,
+        "mfu": tflops_per_rank / peak if peak else None,
+    }

@@ -46,7 +46,12 @@ def peak_memory(device: torch.device) -> dict[str, int | str | bool]:
     rss = {"rss_bytes": peak_rss_bytes(), "since": "first step" if _rss_reset else "process start"}
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
-        return {"kind": "cuda_allocated", "bytes": torch.cuda.max_memory_allocated(device),
-                "cuda_reserved_bytes": torch.cuda.max_memory_reserved(device),
-                "alloc_retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0), **rss}
+        return {
+            "kind": "cuda_allocated",
+            "bytes": torch.cuda.max_memory_allocated(device),
+            "cuda_reserved_bytes": torch.cuda.max_memory_reserved(device),
+            "alloc_retries": stats.get("num_alloc_retries", 0),
+            "ooms": stats.get("num_ooms", 0),
+            **rss,
+        }
     return {"kind": "rss", "bytes": rss["rss_bytes"], **rss}

@@ -13,6 +13,7 @@ whole-run average (88 J/step against 31 J for the same kind of step).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -30,7 +31,7 @@ class NvmlSampler:
         self._thread: threading.Thread | None = None
         self._handle = None
 
-    def start(self) -> "NvmlSampler":
+    def start(self) -> NvmlSampler:
         try:
             import pynvml
 
@@ -69,7 +70,7 @@ class NvmlSampler:
         if start_mj is not None and end_mj is not None:
             return (end_mj - start_mj) / 1000.0
         s = [x for x in self.samples if x[0] >= since]
-        return sum((b[0] - a[0]) * a[3] for a, b in zip(s, s[1:])) if len(s) > 1 else None
+        return sum((b[0] - a[0]) * a[3] for a, b in itertools.pairwise(s)) if len(s) > 1 else None
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -96,11 +97,22 @@ class NvmlSampler:
             pass
         s = self.samples
         energy = self._energy_between(self._energy_start_mj, self._energy_end_mj, since=0.0)
-        timed = (self._energy_between(self._mark[1], self._energy_end_mj, since=self._mark[0])
-                 if self._mark is not None else None)
-        return {"available": True, "interval_s": self.interval_s, "samples": len(s),
-                "peak_used_bytes": max((x[1] for x in s), default=None),
-                "mean_utilization_pct": sum(x[2] for x in s) / len(s) if s else None,
-                "mean_power_w": sum(x[3] for x in s) / len(s) if s else None,
-                "energy_j": energy, "energy_timed_j": timed, "energy_source": "counter" if self._energy_end_mj is not None else "power integral",
-                "timeline": [[round(t - s[0][0], 3), used, util, round(p, 1)] for t, used, util, p in s[:: max(1, len(s) // 200)]]}
+        timed = (
+            self._energy_between(self._mark[1], self._energy_end_mj, since=self._mark[0])
+            if self._mark is not None
+            else None
+        )
+        return {
+            "available": True,
+            "interval_s": self.interval_s,
+            "samples": len(s),
+            "peak_used_bytes": max((x[1] for x in s), default=None),
+            "mean_utilization_pct": sum(x[2] for x in s) / len(s) if s else None,
+            "mean_power_w": sum(x[3] for x in s) / len(s) if s else None,
+            "energy_j": energy,
+            "energy_timed_j": timed,
+            "energy_source": "counter" if self._energy_end_mj is not None else "power integral",
+            "timeline": [
+                [round(t - s[0][0], 3), used, util, round(p, 1)] for t, used, util, p in s[:: max(1, len(s) // 200)]
+            ],
+        }

@@ -40,9 +40,11 @@ class PhaseClock:
 
     def attach(self) -> PhaseClock:
         if not self._handles:
-            self._handles = [self.model.register_forward_pre_hook(lambda *_: self._mark("forward_start")),
-                             self.model.register_forward_hook(lambda *_: self._mark("forward_end")),
-                             register_optimizer_step_pre_hook(lambda *_: self._mark("optimizer", once=True))]
+            self._handles = [
+                self.model.register_forward_pre_hook(lambda *_: self._mark("forward_start")),
+                self.model.register_forward_hook(lambda *_: self._mark("forward_end")),
+                register_optimizer_step_pre_hook(lambda *_: self._mark("optimizer", once=True)),
+            ]
         return self
 
     def detach(self) -> None:
@@ -88,8 +90,12 @@ class PhaseClock:
                 opened = None
         optimizer_at = next((at for name, at in marks if name == "optimizer"), None)
         optimizer = self._seconds(optimizer_at, end) if optimizer_at is not None else None
-        return {"device_step_s": total if self.device.type == "cuda" else None, "forward_s": forward,
-                "backward_s": total - forward - (optimizer or 0.0), "optimizer_s": optimizer}
+        return {
+            "device_step_s": total if self.device.type == "cuda" else None,
+            "forward_s": forward,
+            "backward_s": total - forward - (optimizer or 0.0),
+            "optimizer_s": optimizer,
+        }
 
 
 def clock_name(device: torch.device) -> str:

@@ -41,5 +41,11 @@ def summarize(samples: Sequence[float]) -> dict[str, float | None]:
         q1 = q3 = samples[0]
     else:
         q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
-    return {"median": statistics.median(samples), "q1": q1, "q3": q3, "iqr": q3 - q1,
-            "min": min(samples), "max": max(samples)}
+    return {
+        "median": statistics.median(samples),
+        "q1": q1,
+        "q3": q3,
+        "iqr": q3 - q1,
+        "min": min(samples),
+        "max": max(samples),
+    }

@@ -15,9 +15,11 @@ from zbench.report import charts
 from zbench.store import RunDir
 from zbench.values import STATUSES
 
-_ENV = jinja2.Environment(loader=jinja2.PackageLoader("zbench.report", "templates"),
-                          autoescape=jinja2.select_autoescape(default=True, default_for_string=True),
-                          undefined=jinja2.StrictUndefined)
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("zbench.report", "templates"),
+    autoescape=jinja2.select_autoescape(default=True, default_for_string=True),
+    undefined=jinja2.StrictUndefined,
+)
 _ENV.filters.update(bytes=fmt_bytes, seconds=fmt_seconds, ratio=fmt_ratio, status=status_text)
 
 
@@ -36,13 +38,22 @@ def render(run: RunDir, report_dir: Path, *, results_root: Path | None = None) -
     records.sort(key=lambda r: order.get(r.case_id, len(order)))
     has_ok = any(r.ok for r in records)
     page = _ENV.get_template("index.html.j2").render(
-        run=run.info(), records=records, tolerances=TOLERANCE,
+        run=run.info(),
+        records=records,
+        tolerances=TOLERANCE,
         counts={s: sum(r.status == s for r in records) for s in STATUSES},
         not_equivalent=sum(1 for r in records if r.ok and not r.equivalent),
-        charts=[Markup(c(records)) for c in (charts.step_time_chart, charts.memory_chart, charts.model_state_chart, charts.loss_chart)] if has_ok else [],
-        trend=Markup(charts.trend_chart(series)) if series else "", history_runs=len(runs),
+        charts=[
+            Markup(c(records))
+            for c in (charts.step_time_chart, charts.memory_chart, charts.model_state_chart, charts.loss_chart)
+        ]
+        if has_ok
+        else [],
+        trend=Markup(charts.trend_chart(series)) if series else "",
+        history_runs=len(runs),
         regressions=[(case_id, p) for case_id, points in series.items() for p in points if p.regressed],
-        plotly_js=_plotly_js() if has_ok or series else "")
+        plotly_js=_plotly_js() if has_ok or series else "",
+    )
     out = Path(report_dir) / "index.html"
     atomic_write_bytes(out, page.encode())
     return out
