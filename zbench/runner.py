@@ -100,6 +100,7 @@ def _run_cases(suite: Suite, run: RunDir, resume: str | None, progress: Progress
     )
     records: dict[str, CaseRecord] = {r.case_id: r for r in run.cases()} if resume else {}
     references = References(run, records.values())
+    by_id = {c.case_id: c for c in suite.cases}
     progress.start(run.run_id, run.path, len(suite.cases))
     for index, case in enumerate(suite.cases, 1):
         if case.case_id in records:
@@ -112,7 +113,8 @@ def _run_cases(suite: Suite, run: RunDir, resume: str | None, progress: Progress
                 f"[{index}/{len(suite.cases)}] re-running the DDP reference {reference.case_id}: "
                 "its final parameters were deleted when the run finished"
             )
-            _store(_run_guarded(reference.config, run, references, index, progress), run, records, references)
+            rerun = by_id.get(reference.case_id, reference.config)  # the suite's case: it carries capabilities
+            _store(_run_guarded(rerun, run, references, index, progress), run, records, references)
         record = skipped_record(case) if case.skip_reason else _run_guarded(case, run, references, index, progress)
         _store(record, run, records, references)
         progress.case_done(index, case, record)
