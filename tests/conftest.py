@@ -121,3 +121,15 @@ def hand_back_and_exit(results: dict, out: Path, rank: int) -> None:
 @pytest.fixture(scope="session")
 def cli():
     return zbench
+
+
+def make_case(**overrides: object):
+    """A valid ``zbench.case.Case`` without a suite (tiny GPT, DDP, world 2, CPU); ``overrides`` replace fields."""
+    from zbench.case import Case
+
+    fields: dict[str, object] = dict(
+        model="tiny", implementation="ddp", stage=0, world_size=2, precision="fp32", offload="none", device="cpu",
+        steps=10, warmup_steps=0, micro_batch=4, grad_accum=1, seq_len=32, seed=0, timeout_s=60.0,
+        optimizer="adamw", lr=1e-3, weight_decay=0.0, momentum=0.0, grad_clip=None,
+    )  # fmt: skip
+    return Case.model_validate({**fields, **overrides})

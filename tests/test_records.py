@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import zbench
+from tests.conftest import make_case, zbench
 from zbench import store
-from zbench.case import Case
 from zbench.errors import UsageError
 from zbench.handoff import CollectiveEntry, PhaseSample, RankResult, WorkerTask
 from zbench.record import SCHEMA_VERSION, CaseRecord, NvmlSummary, RankMemory
@@ -60,28 +59,7 @@ def test_case_record_round_trips(tmp_path):
 
 
 def test_worker_messages_round_trip():
-    case = Case(
-        model="tiny",
-        implementation="ddp",
-        stage=0,
-        world_size=2,
-        precision="fp32",
-        offload="none",
-        device="cpu",
-        steps=2,
-        warmup_steps=1,
-        micro_batch=2,
-        grad_accum=1,
-        seq_len=32,
-        seed=0,
-        timeout_s=9.0,
-        optimizer="adamw",
-        lr=1e-3,
-        weight_decay=0.0,
-        momentum=0.0,
-        grad_clip=None,
-        options={"x": [1, 2]},
-    )
+    case = make_case(steps=2, warmup_steps=1, micro_batch=2, timeout_s=9.0, options={"x": [1, 2]})
     task = WorkerTask(case=case, swap_dir="/nvme/zbench-r-c")
     assert WorkerTask.model_validate_json(task.model_dump_json()) == task
     result = RankResult(

@@ -8,8 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.conftest import zbench
-from zbench.case import Case
+from tests.conftest import make_case, zbench
 from zbench.record import CaseRecord, Equivalence, MemorySummary, ModelState, StepSample, StepTimeSummary
 from zbench.regress import Thresholds, check, compare_bytes, compare_times
 from zbench.run_info import Environment, RunInfo, SuiteInfo
@@ -60,27 +59,7 @@ def test_memory_thresholds():
     assert compare_bytes(gib, 0.9 * gib, T)[0] == "improvement"
 
 
-CASE = Case(
-    model="tiny",
-    implementation="ddp",
-    stage=0,
-    world_size=2,
-    precision="fp32",
-    offload="none",
-    device="cpu",
-    steps=10,
-    warmup_steps=0,
-    micro_batch=4,
-    grad_accum=1,
-    seq_len=32,
-    seed=0,
-    timeout_s=60.0,
-    optimizer="adamw",
-    lr=1e-3,
-    weight_decay=0.0,
-    momentum=0.0,
-    grad_clip=None,
-)
+CASE = make_case()
 
 
 def fake_run(root, run_id, *, peak=2**30, times=None, equivalent=True, status="ok"):

@@ -44,8 +44,10 @@ def _rank(rank: int, world: int, rounds: int, block: int, model: str) -> dict[st
     engine = DDP().build(module, TrainSpec(device=device), dist.group.WORLD)
     clock = PhaseClock(module, device)
     cfg = get_config(model)
-    batches = [rank_micro_batches(synthetic_batch(cfg, seed=0, step=i, rows=4 * world), rank=rank, world=world,
-                                  grad_accum=1) for i in range(block)]
+    batches = [
+        rank_micro_batches(synthetic_batch(cfg, seed=0, step=i, rows=4 * world), rank=rank, world=world, grad_accum=1)
+        for i in range(block)
+    ]
 
     def bare() -> None:
         for mbs in batches:
@@ -85,16 +87,26 @@ def measure(*, rounds: int = 8, block: int = 10, model: str = "small", world: in
     times = run_ranks(_rank, rounds, block, model, world=world)
     bare, inst = statistics.median(times["bare"]), statistics.median(times["instrumented"])
     paired = statistics.median(i / b for i, b in zip(times["instrumented"], times["bare"]))
-    return {"bare_step_s": bare, "instrumented_step_s": inst, "overhead_pct": (inst / bare - 1) * 100,
-            "paired_overhead_pct": (paired - 1) * 100, "samples": times, "model": model, "world": world,
-            "rounds": rounds, "block": block}
+    return {
+        "bare_step_s": bare,
+        "instrumented_step_s": inst,
+        "overhead_pct": (inst / bare - 1) * 100,
+        "paired_overhead_pct": (paired - 1) * 100,
+        "samples": times,
+        "model": model,
+        "world": world,
+        "rounds": rounds,
+        "block": block,
+    }
 
 
 def describe(result: dict[str, Any]) -> str:
     """One line: both step times and both overhead figures, next to the goal."""
-    return (f"bare {result['bare_step_s'] * 1e3:.2f} ms/step, instrumented {result['instrumented_step_s'] * 1e3:.2f} "
-            f"ms/step, overhead {result['overhead_pct']:+.2f}% (medians), {result['paired_overhead_pct']:+.2f}% "
-            f"(paired per round; goal <= {GOAL_PCT:g}%)")
+    return (
+        f"bare {result['bare_step_s'] * 1e3:.2f} ms/step, instrumented {result['instrumented_step_s'] * 1e3:.2f} "
+        f"ms/step, overhead {result['overhead_pct']:+.2f}% (medians), {result['paired_overhead_pct']:+.2f}% "
+        f"(paired per round; goal <= {GOAL_PCT:g}%)"
+    )
 
 
 if __name__ == "__main__":

@@ -53,7 +53,6 @@ def run_ranks(fn: RankFn, *args: Any, world: int = 2, threads: int = 1) -> Any:
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
-        mp.start_processes(_rank, args=(world, free_port(), threads, out, fn, args), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(_rank, args=(world, free_port(), threads, out, fn, args), nprocs=world, start_method="spawn")
         with open(out) as f:
             return json.load(f)

@@ -69,7 +69,7 @@ def _rank(rank: int, world: int, work: Workload) -> dict[str, list[float]]:
     for step in range(work.warmup + work.steps):
         batch = synthetic_batch(cfg, seed=0, step=step, rows=work.micro_batch * world)
         micro_batches = rank_micro_batches(batch, rank=rank, world=world, grad_accum=1)
-        order = names[step % len(names):] + names[:step % len(names)]
+        order = names[step % len(names) :] + names[: step % len(names)]
         for name in order:
             dist.barrier()
             start = time.perf_counter()
@@ -102,17 +102,22 @@ def step_times(work: Workload) -> dict[str, EngineStats]:
         q1, _, q3 = statistics.quantiles(samples, n=4)
         median = statistics.median(samples)
         stats[name] = EngineStats(
-            median_s=median, q1_s=q1, q3_s=q3,
+            median_s=median,
+            q1_s=q1,
+            q3_s=q3,
             median_ratio=median / statistics.median(ref) if ref else None,
-            paired_ratio=statistics.median(t / d for t, d in zip(samples, ref)) if ref else None)
+            paired_ratio=statistics.median(t / d for t, d in zip(samples, ref)) if ref else None,
+        )
     return stats
 
 
 def table(work: Workload, stats: dict[str, EngineStats]) -> str:
     """The workload on one line, then one line per engine (times in ms)."""
-    lines = [f"{work.model}, world {work.world}, micro-batch {work.micro_batch}, {work.precision}, "
-             f"{work.threads} thread(s)/rank, {work.steps} timed steps after {work.warmup} warm-up, "
-             f"load average {os.getloadavg()[0]:.2f}"]
+    lines = [
+        f"{work.model}, world {work.world}, micro-batch {work.micro_batch}, {work.precision}, "
+        f"{work.threads} thread(s)/rank, {work.steps} timed steps after {work.warmup} warm-up, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    ]
     for name, s in stats.items():
         line = f"  {name:12s} median {s.median_s * 1e3:7.1f} ms  (IQR {s.q1_s * 1e3:.1f}-{s.q3_s * 1e3:.1f})"
         if s.median_ratio is not None and s.paired_ratio is not None:
@@ -144,9 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--impls", nargs="+", default=list(IMPLS))
     parser.add_argument("--options", default="{}", help='zero options by name, JSON: \'{"zero2": {"bucket_mb": 8}}\'')
-    parser.add_argument("--variant", action="append", default=[],
-                        help='another engine to time, LABEL=IMPL:JSON_OPTIONS, '
-                             'e.g. \'z2-16mb=zero2:{"bucket_mb": 16}\'')
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="another engine to time, LABEL=IMPL:JSON_OPTIONS, e.g. 'z2-16mb=zero2:{\"bucket_mb\": 16}'",
+    )
     args = parser.parse_args(argv)
     options = json.loads(args.options)
     runs = {name: (name, options.get(name, {}) if name != "ddp" else {}) for name in args.impls}
@@ -154,8 +162,16 @@ def main(argv: list[str] | None = None) -> None:
         label, _, rest = variant.partition("=")
         impl, _, opts = rest.partition(":")
         runs[label] = (impl, json.loads(opts or "{}"))
-    work = Workload(world=args.world, model=args.model, micro_batch=args.micro_batch, precision=args.precision,
-                    steps=args.steps, warmup=args.warmup, threads=args.threads, runs=runs)
+    work = Workload(
+        world=args.world,
+        model=args.model,
+        micro_batch=args.micro_batch,
+        precision=args.precision,
+        steps=args.steps,
+        warmup=args.warmup,
+        threads=args.threads,
+        runs=runs,
+    )
     print(table(work, step_times(work)))
 
 
