@@ -75,7 +75,7 @@ class FSDP:
     )
 
     def expected_comm_elements(self, cfg: GPTConfig, world: int) -> int:
-        """Design's 3Ψ less one gather of the root unit: FSDP2 keeps the root's parameters gathered from
+        """ZeRO-3's 3Ψ less one gather of the root unit: FSDP2 keeps the root's parameters gathered from
         forward to backward, so only the blocks are gathered twice."""
         root = cfg.num_parameters - cfg.layers * cfg.block_parameters
         return 3 * cfg.num_parameters - root

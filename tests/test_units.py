@@ -249,9 +249,20 @@ def test_mfu_uses_the_gpu_peak_and_can_be_overridden(monkeypatch):
     assert peak_tflops(None, "bf16") is None
     cfg = PRESETS["small"]
     d = derived(
-        cfg, tokens_per_step=1_000_000, step_time_s=1.0, world=1, precision="bf16", gpu_name="NVIDIA A100-SXM4-80GB"
+        cfg,
+        seq=cfg.seq,
+        tokens_per_step=1_000_000,
+        step_time_s=1.0,
+        world=1,
+        precision="bf16",
+        gpu_name="NVIDIA A100-SXM4-80GB",
     )
     assert d["mfu"] == pytest.approx(cfg.flops_per_token() * 1e6 / 1e12 / 312.0)
+    # a suite that trains on shorter sequences than the preset's context does less attention work per token
+    short = derived(cfg, seq=cfg.seq // 2, tokens_per_step=1_000_000, step_time_s=1.0, world=1, precision="bf16",
+                    gpu_name="NVIDIA A100-SXM4-80GB")  # fmt: skip
+    attention_half = 6 * cfg.layers * cfg.heads * cfg.head_dim * (cfg.seq // 2)
+    assert short["model_flops_per_token"] == d["model_flops_per_token"] - attention_half
     monkeypatch.setenv("ZBENCH_PEAK_TFLOPS", "100")
     assert peak_tflops(None, "fp32") == 100.0
 

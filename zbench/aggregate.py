@@ -94,6 +94,7 @@ def measured(record: CaseRecord, ranks: list[RankResult]) -> CaseRecord:
             "throughput": Throughput(
                 **derived(
                     get_config(case.model),
+                    seq=case.seq_len,  # the suite's, which may be shorter than the preset's context
                     tokens_per_step=tokens,
                     step_time_s=median,
                     world=case.world_size,

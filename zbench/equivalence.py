@@ -26,7 +26,7 @@ import torch
 from zbench.record import Equivalence
 from zbench.values import Precision
 
-#: Relative tolerance per precision. fp32 is the design's 1e-5; the low
+#: Relative tolerance per precision (docs/methods.md#equivalence). fp32 is 1e-5; the low
 #: precisions differ from DDP's autocast by their rounding alone, and are stated
 #: in every report.
 TOLERANCE: dict[Precision, float] = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}

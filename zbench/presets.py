@@ -48,11 +48,11 @@ class GPTConfig:
             + self.d_model * self.vocab
         )
 
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6·(Ψ − embeddings) + attention (docs/methods.md)."""
-        return (
-            6 * (self.num_parameters - self.embedding_parameters)
-            + 6 * self.layers * self.heads * self.head_dim * self.seq
+    def flops_per_token(self, seq: int | None = None) -> float:
+        """Training FLOPs per token at sequence length ``seq`` (default: the full context): 6·(Ψ − embeddings)
+        + attention, 6·layers·heads·head_dim·seq (docs/methods.md)."""
+        return 6 * (self.num_parameters - self.embedding_parameters) + 6 * self.layers * self.heads * self.head_dim * (
+            seq or self.seq
         )
 
 

@@ -113,5 +113,6 @@ def take() -> list[dict]:
 
 
 def theory_elements(params: int, stage: int) -> int:
-    """Design §5: per step and rank, DDP 2Ψ, ZeRO-1/2 2Ψ (reduce-scatter + all-gather), ZeRO-3 3Ψ."""
+    """The ZeRO formulas per step and rank: DDP 2Ψ, ZeRO-1/2 2Ψ (reduce-scatter + all-gather), ZeRO-3 3Ψ
+    (docs/methods.md#communication-volume)."""
     return 3 * params if stage >= 3 else 2 * params

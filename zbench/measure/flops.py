@@ -40,10 +40,17 @@ def peak_tflops(gpu_name: str | None, precision: str) -> float | None:
 
 
 def derived(
-    cfg: GPTConfig, *, tokens_per_step: int, step_time_s: float, world: int, precision: str, gpu_name: str | None
+    cfg: GPTConfig,
+    *,
+    seq: int,
+    tokens_per_step: int,
+    step_time_s: float,
+    world: int,
+    precision: str,
+    gpu_name: str | None,
 ) -> dict[str, float | None]:
-    """Achieved model TFLOP/s per rank and, where the peak is known, MFU."""
-    flops_per_token = cfg.flops_per_token()
+    """Achieved model TFLOP/s per rank and, where the peak is known, MFU, for sequences of ``seq`` tokens."""
+    flops_per_token = cfg.flops_per_token(seq)
     tflops_per_rank = flops_per_token * tokens_per_step / step_time_s / world / 1e12
     peak = peak_tflops(gpu_name, precision)
     return {
