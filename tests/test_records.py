@@ -11,8 +11,8 @@ import pytest
 from tests.conftest import make_case, zbench
 from zbench import store
 from zbench.errors import UsageError
-from zbench.handoff import CollectiveEntry, PhaseSample, RankResult, WorkerTask
-from zbench.record import SCHEMA_VERSION, CaseRecord, NvmlSummary, RankMemory
+from zbench.handoff import CollectiveEntry, RankResult, WorkerTask
+from zbench.record import SCHEMA_VERSION, CaseRecord, NvmlSummary, PhaseTimes, RankMemory
 from zbench.store import RunDir
 
 FIXTURE = Path(__file__).parent / "fixtures" / "schema1"
@@ -68,7 +68,7 @@ def test_worker_messages_round_trip():
         step_times_s=[0.1, 0.1],
         metrics=[{}, {"loss_scale": 2.0}],
         comms=[[CollectiveEntry(op="all_reduce", dtype="float32", count=1, elements=4, bytes=16)], []],
-        phases=[PhaseSample(forward_s=0.01), PhaseSample()],
+        phases=[PhaseTimes(forward_s=0.01), PhaseTimes()],
         clock="perf_counter",
         bus_bandwidth_bytes_per_s=None,
         expected_comm_elements=8,

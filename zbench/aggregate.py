@@ -28,6 +28,7 @@ from zbench.record import (
     NvmlSummary,
     OpVolume,
     PhaseSummary,
+    PhaseTimes,
     StepSample,
     StepTimeSummary,
     Throughput,
@@ -165,11 +166,7 @@ def phase_summary(steps: list[StepSample], clock: str) -> PhaseSummary:
         return statistics.median(present) if present else None
 
     return PhaseSummary(
-        clock=clock,
-        device_step_s=median([s.device_step_s for s in timed]),
-        forward_s=median([s.forward_s for s in timed]),
-        backward_s=median([s.backward_s for s in timed]),
-        optimizer_s=median([s.optimizer_s for s in timed]),
+        clock=clock, **{phase: median([getattr(s, phase) for s in timed]) for phase in PhaseTimes.model_fields}
     )
 
 

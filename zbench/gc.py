@@ -31,8 +31,7 @@ def prune(results: Path, *, keep: int, dry_run: bool = False) -> list[tuple[RunD
                 continue
             try:
                 with RunLock(run):
-                    shutil.rmtree(run.path / "cases")
-                    shutil.rmtree(run.path, ignore_errors=True)
+                    shutil.rmtree(run.path)  # its lock file too; the lock is released as the block ends
             except RunLocked:
                 continue
             removed.append((run, size))

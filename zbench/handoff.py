@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from zbench.case import Case
-from zbench.record import SCHEMA_VERSION, NvmlSummary, RankMemory, StateBytes
+from zbench.record import SCHEMA_VERSION, NvmlSummary, PhaseTimes, RankMemory, StateBytes
 
 
 class _Message(BaseModel):
@@ -41,13 +41,6 @@ class CollectiveEntry(BaseModel):
     bytes: int
 
 
-class PhaseSample(BaseModel):
-    device_step_s: float | None = None
-    forward_s: float | None = None
-    backward_s: float | None = None
-    optimizer_s: float | None = None
-
-
 class RankResult(_Message):
     """What one rank measured, for the harness to turn into the case's record."""
 
@@ -56,7 +49,7 @@ class RankResult(_Message):
     step_times_s: list[float]
     metrics: list[dict[str, float]]
     comms: list[list[CollectiveEntry]]
-    phases: list[PhaseSample]
+    phases: list[PhaseTimes]
     clock: str
     bus_bandwidth_bytes_per_s: float | None
     expected_comm_elements: int

@@ -32,17 +32,22 @@ class _Part(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class StepSample(_Part):
+class PhaseTimes(_Part):
+    """Where a step's time went (``zbench.measure.phases``); ``None`` where the clock has no such mark."""
+
+    device_step_s: float | None = None
+    forward_s: float | None = None
+    backward_s: float | None = None
+    optimizer_s: float | None = None
+
+
+class StepSample(PhaseTimes):
     """One training step: the loss averaged over ranks, the slowest rank's time, rank 0's phase split."""
 
     step: int
     loss: float
     step_time_s: float
     warmup: bool
-    device_step_s: float | None = None
-    forward_s: float | None = None
-    backward_s: float | None = None
-    optimizer_s: float | None = None
     metrics: dict[str, float] = Field(default_factory=dict)
     """What the engine reported after the step (e.g. ``loss_scale``)."""
 
@@ -120,14 +125,10 @@ class CommSummary(_Part):
     comm_to_compute: float | None = None
 
 
-class PhaseSummary(_Part):
+class PhaseSummary(PhaseTimes):
     """Median forward / backward / optimizer seconds over the timed steps (rank 0)."""
 
     clock: str
-    device_step_s: float | None = None
-    forward_s: float | None = None
-    backward_s: float | None = None
-    optimizer_s: float | None = None
 
 
 class Throughput(_Part):
@@ -294,16 +295,16 @@ class CaseRecord(_Part):
             offload=c.offload,
             device=c.device,
             status=self.status,
-            step_time_median_s=self.summary.step_time_median_s,
+            step_time_median_s=self.step_time_median_s,
             step_time_iqr_s=self.summary.step_time_iqr_s,
             ratio_to_ddp=self.ratio_to_ddp,
             tokens_per_s=self.summary.tokens_per_s,
             peak_memory_bytes=self.peak_bytes,
-            model_state_bytes=None if ms is None else ms.measured_total,
+            model_state_bytes=self.model_state_bytes,
             expected_model_state_bytes=None if ms is None else ms.expected_total,
             max_rel_loss_diff=None if eq is None else eq.max_rel_loss_diff,
             max_rel_param_diff=None if eq is None else eq.max_rel_param_diff,
-            equivalent=None if eq is None else eq.equivalent,
+            equivalent=self.equivalent,
             error=self.error or self.skip_reason,
         )
 
@@ -321,8 +322,7 @@ class CaseRecord(_Part):
         return cls.from_json_dict(json.loads(Path(path).read_text()))
 
 
-_PHASE_KEYS = ("device_step_s", "forward_s", "backward_s", "optimizer_s")
-_STEP_KEYS = ("step", "loss", "step_time_s", "warmup", *_PHASE_KEYS, "metrics")
+_STEP_KEYS = tuple(StepSample.model_fields)
 
 
 def migrate(data: dict[str, Any]) -> dict[str, Any]:

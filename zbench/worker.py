@@ -24,7 +24,7 @@ import torch.distributed as dist
 from zbench import registry
 from zbench.atomic import atomic_torch_save, atomic_write_json
 from zbench.case import Case
-from zbench.handoff import CaseFiles, CollectiveEntry, PhaseSample, RankError, RankResult, WorkerTask
+from zbench.handoff import CaseFiles, CollectiveEntry, RankError, RankResult, WorkerTask
 from zbench.measure import comms
 from zbench.measure.bandwidth import probe_bus_bandwidth
 from zbench.measure.memory import peak_memory, reset_peak
@@ -34,7 +34,7 @@ from zbench.measure.timing import timed
 from zbench.models import build_model, rank_micro_batches, synthetic_batch
 from zbench.presets import GPTConfig, get_config
 from zbench.protocol import Engine, Implementation
-from zbench.record import NvmlSummary, RankMemory
+from zbench.record import NvmlSummary, PhaseTimes, RankMemory
 
 
 def pick_device(case: Case, local_rank: int) -> torch.device:
@@ -87,7 +87,7 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
     times: list[float] = []
     metrics: list[dict[str, float]] = []
     comm_steps: list[list[CollectiveEntry]] = []
-    phases: list[PhaseSample] = []
+    phases: list[PhaseTimes] = []
     bandwidth = probe_bus_bandwidth(device)
     clock = PhaseClock(model, device).attach()
     sampler = NvmlSampler(nvml_index(device)).start() if device.type == "cuda" else None
@@ -103,7 +103,7 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
                 partial(clock.run, partial(engine.step, micro_batches)), device=device, barrier=dist.barrier
             )
             comm_steps.append([CollectiveEntry(**e) for e in comms.take()])
-            phases.append(PhaseSample(**clock.read()))
+            phases.append(PhaseTimes(**clock.read()))
             losses.append(float(loss))
             times.append(seconds)
             metrics.append(engine.metrics())
