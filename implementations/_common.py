@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -36,6 +36,19 @@ def accumulate(
 def maybe(ctx: contextlib.AbstractContextManager | None) -> Iterator[None]:
     with ctx if ctx is not None else contextlib.nullcontext():
         yield
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient, as a tensor (no host sync inside the timed step).
+
+    Sharded gradients (FSDP2's DTensors) are reduced across the group, one scalar all-reduce.
+    The harness compares it with DDP's at every step: AdamW hides a constant gradient scale
+    from the loss and the parameters, the norm does not (docs/methods.md#equivalence).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, foreach=False)
+    full = getattr(total, "full_tensor", None)
+    return full() if callable(full) else total
 
 
 def full_parameters_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -7,7 +7,14 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from zbench.implementations._common import accumulate, autocast, full_parameters_of, grad_scaler, maybe
+from zbench.implementations._common import (
+    accumulate,
+    autocast,
+    full_parameters_of,
+    global_grad_norm,
+    grad_scaler,
+    maybe,
+)
 from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, TrainSpec
 from zbench.state_bytes import module_state_bytes
 
@@ -22,6 +29,7 @@ class DDPEngine(EngineBase):
         self.ddp = DistributedDataParallel(model, process_group=group, device_ids=device_ids)
         self.optimizer = spec.make_optimizer(model.parameters())
         self.scaler = grad_scaler(spec)
+        self.grad_norm: torch.Tensor | None = None
 
     def _forward_backward(self, batch: MicroBatch, is_last: bool, n: int) -> torch.Tensor:
         with maybe(None if is_last else self.ddp.no_sync()):
@@ -33,9 +41,10 @@ class DDPEngine(EngineBase):
     def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         loss = accumulate(micro_batches, lambda b, last: self._forward_backward(b, last, len(micro_batches)))
+        self.scaler.unscale_(self.optimizer)  # a no-op unless fp16: the norm is the true gradient's
+        self.grad_norm = global_grad_norm(self.module.parameters())
         if self.spec.grad_clip is not None:
-            self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.spec.grad_clip)
+            torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), self.spec.grad_clip, self.grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return loss
@@ -47,7 +56,8 @@ class DDPEngine(EngineBase):
         return module_state_bytes(self.module.parameters(), self.optimizer, compute_device=self.spec.device)
 
     def metrics(self) -> dict[str, float]:
-        return {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}
+        out = {"grad_norm": float(self.grad_norm)} if self.grad_norm is not None else {}
+        return {**out, "loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else out
 
 
 class DDP(ImplementationBase):

@@ -18,7 +18,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from zbench.implementations._common import accumulate, full_parameters_of
+from zbench.implementations._common import accumulate, full_parameters_of, global_grad_norm
 from zbench.presets import GPTConfig
 from zbench.protocol import Capabilities, EngineBase, MicroBatch, TrainSpec
 from zbench.state_bytes import module_state_bytes, moved_to_host
@@ -42,6 +42,7 @@ class FSDPEngine(EngineBase):
         assert isinstance(sharded, nn.Module)  # ``model`` itself, its class now a subclass of FSDPModule too
         self.model = sharded
         self.optimizer = spec.make_optimizer(self.model.parameters())
+        self.grad_norm: torch.Tensor | None = None
 
     def _forward_backward(self, batch: MicroBatch, is_last: bool, n: int) -> torch.Tensor:
         self.model.set_requires_gradient_sync(is_last)
@@ -52,13 +53,21 @@ class FSDPEngine(EngineBase):
     def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         loss = accumulate(micro_batches, lambda b, last: self._forward_backward(b, last, len(micro_batches)))
-        if self.spec.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
+        if self.spec.grad_clip is not None:  # the DTensor-aware clip; its norm is sharded (partial) until gathered
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
+        else:
+            self.grad_norm = global_grad_norm(self.model.parameters())
         self.optimizer.step()
         return loss
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return full_parameters_of(self.model)
+
+    def metrics(self) -> dict[str, float]:
+        if self.grad_norm is None:
+            return {}
+        full = getattr(self.grad_norm, "full_tensor", None)
+        return {"grad_norm": float(full() if callable(full) else self.grad_norm)}
 
     def state_bytes(self) -> dict[str, dict[str, int]]:
         state = module_state_bytes(self.model.parameters(), self.optimizer, compute_device=self.spec.device)

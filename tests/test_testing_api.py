@@ -1,5 +1,5 @@
 """``zbench.testing.assert_equivalent_to_ddp`` from pytest: passes for a correct implementation, fails loudly
-otherwise."""
+otherwise, and honours every training setting (a weight-decay bug needs weight decay to show)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,25 @@ import pytest
 
 from zbench.testing import assert_equivalent_to_ddp
 
-
-def test_correct_implementation_passes():
-    record = assert_equivalent_to_ddp("torch_zero", steps=6)
-    assert record.equivalence is not None and record.equivalence.max_rel_loss_diff <= 1e-5
+WRONG = "tests.plugins.wrong:MANUAL"
 
 
-def test_wrong_implementation_fails_with_figures():
-    with pytest.raises(AssertionError, match=r"not equivalent to DDP.*param rel L2 diff"):
-        assert_equivalent_to_ddp("tests.plugins.faulty:FAULTY", options={"fault": "unsynced"}, steps=6)
+def test_correct_implementation_passes_with_every_check():
+    record = assert_equivalent_to_ddp("torch_zero", steps=6, grad_accum=2, grad_clip=0.5, weight_decay=0.1)
+    eq = record.equivalence
+    assert eq is not None and eq.twin_case is not None
+    assert {c.name: c.passed for c in eq.checks} == dict.fromkeys(
+        ("loss", "grad_norm", "parameters", "ranks", "model_state"), True
+    )
+
+
+def test_weight_decay_bug_passes_without_weight_decay_and_fails_with_it():
+    """The bug only exists when weight decay does: the API must pass the setting through to catch it."""
+    assert_equivalent_to_ddp(WRONG, options={"bug": "wd_skips_norms"}, steps=6, weight_decay=0.0)
+    with pytest.raises(AssertionError, match=r"not equivalent to DDP.*parameters.*\nchecks: .*parameters: FAIL"):
+        assert_equivalent_to_ddp(WRONG, options={"bug": "wd_skips_norms"}, steps=6, weight_decay=0.1)
+
+
+def test_bad_setting_is_one_clear_error():
+    with pytest.raises(Exception, match="unknown key 'weight_decya'"):
+        assert_equivalent_to_ddp("torch_zero", weight_decya=0.1)

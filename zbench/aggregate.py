@@ -92,6 +92,7 @@ def measured(record: CaseRecord, ranks: list[RankResult]) -> CaseRecord:
     gpu_name = ranks[0].gpu_name
     return record.model_copy(
         update={
+            "param_checksums": [r.param_checksum for r in ranks],
             "throughput": Throughput(
                 **derived(
                     get_config(case.model),

@@ -54,6 +54,10 @@ class Case(BaseModel):
     target_loss: float | None = None
     keep_params: bool = False
     """Keep the final-parameter file after the equivalence verdict is stored."""
+    noise_twin: bool = False
+    """A second DDP run of a case group that splits each rank's batch into twice (or half) as many micro-batches:
+    the same training summed in another order. Its distance from the reference is the group's measured noise
+    floor, which sets the equivalence bounds (docs/methods.md#equivalence)."""
     skip_reason: str | None = None
     capabilities: Capabilities | None = None
     """What the implementation declared when the run resolved it; ``None`` in records from schema 1."""
@@ -72,6 +76,8 @@ class Case(BaseModel):
         ]
         if self.options:
             parts.append(hashlib.sha1(repr(tuple(sorted(self.options.items()))).encode()).hexdigest()[:6])
+        if self.noise_twin:
+            parts.append("twin")
         return "-".join(parts)
 
     @property
@@ -96,7 +102,21 @@ class Case(BaseModel):
 
     @property
     def is_reference(self) -> bool:
-        return self.implementation == REFERENCE
+        return self.implementation == REFERENCE and not self.noise_twin
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches each rank's share of the batch is split into (the noise twin splits it another way)."""
+        if not self.noise_twin:
+            return self.grad_accum
+        return self.grad_accum * 2 if self.micro_batch % 2 == 0 else self.grad_accum // 2
+
+    def twin(self) -> Case | None:
+        """This reference's noise twin, or ``None`` when its batch cannot be split into equal micro-batches
+        another way (an odd micro-batch and an odd accumulation count)."""
+        if self.micro_batch % 2 and self.grad_accum % 2:
+            return None
+        return self.model_copy(update={"noise_twin": True})
 
     @property
     def global_batch(self) -> int:
@@ -120,7 +140,7 @@ class Case(BaseModel):
             weight_decay=self.weight_decay,
             momentum=self.momentum,
             grad_clip=self.grad_clip,
-            grad_accum=self.grad_accum,
+            grad_accum=self.micro_batches_per_step,
             stage=self.stage,
             offload=self.offload,
             nvme_dir=swap_dir,

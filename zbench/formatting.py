@@ -33,9 +33,13 @@ def verdict_text(record: CaseRecord) -> str:
     eq = record.equivalence
     if not record.ok or eq is None:
         return "-"
+    if eq.reference_case == record.case_id:
+        return "reference"
+    margins = [c.margin for c in eq.checks if c.margin is not None]
     if eq.equivalent:
-        return "reference" if eq.reference_case == record.case_id else f"equivalent ({eq.max_rel_loss_diff:.1e})"
-    return "NOT EQUIVALENT: " + (eq.reason or "")
+        return f"equivalent (worst check at {max(margins):.0%} of its bound)" if margins else "equivalent"
+    failed = f" ({', '.join(eq.failed_checks)})" if eq.failed_checks else ""
+    return f"NOT EQUIVALENT{failed}: {eq.reason or ''}"
 
 
 def status_text(record: CaseRecord) -> str:

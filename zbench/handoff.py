@@ -58,6 +58,8 @@ class RankResult(_Message):
     nvml: NvmlSummary
     gpu_name: str | None
     parameters: int
+    param_checksum: str
+    """Hash of this rank's final full parameters: every rank must hold the same model."""
 
 
 class RankError(_Message):

@@ -128,6 +128,9 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
                 grad_clip=case.grad_clip,
             )
             cases.append(case if reason is None else case.model_copy(update={"skip_reason": reason}))
+            twin = case.twin() if config.noise_twin and case.is_reference and reason is None else None
+            if twin is not None:
+                cases.append(twin)
     return cases
 
 

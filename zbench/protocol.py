@@ -59,6 +59,9 @@ class Capabilities:
     keeps_master_weights: bool = False
     """True when mixed precision keeps a low-precision compute copy plus fp32 master weights
     (the ZeRO layout); False for autocast trainers that keep fp32 parameters (DDP, FSDP2)."""
+    state_allowance: float | None = 0.05
+    """How far (relative, per category) the bytes it holds may stray from what the formulas imply for its stage,
+    precision and offload; ``None`` declares no layout, and the equivalence verdict says the check did not run."""
     offload_keeps_master: bool = True
     """True when offloading keeps a separate fp32 master shard on the host next to the compute shard (ZeRO-Offload,
     even in fp32); False when the offloaded fp32 shard is itself what the optimizer steps (FSDP2's CPU offload)."""
@@ -159,7 +162,13 @@ class Engine(Protocol):
         """
 
     def metrics(self) -> dict[str, float]:
-        """Figures of the engine's own after a step (loss scale, skipped steps, ...); stored with each step."""
+        """Figures of the engine's own after a step, stored with each step.
+
+        ``grad_norm`` (the 2-norm of the whole model's gradient the optimizer stepped on, after
+        unscaling and before clipping) is compared with DDP's at every step: without it a gradient
+        scale bug is invisible under AdamW and the case is not judged equivalent. Others are free
+        (``loss_scale``, skipped steps, ...).
+        """
 
     def close(self) -> None:
         """Release what the engine holds outside memory (swap files, threads); called once, after training."""

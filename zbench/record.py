@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -174,19 +174,49 @@ class TimeToTarget(_Part):
     seconds: float | None = None
 
 
+class Check(_Part):
+    """One equivalence check: its figure, the bound it must stay within, the measured noise the bound came from."""
+
+    name: Literal["loss", "grad_norm", "parameters", "ranks", "model_state"]
+    passed: bool | None
+    """``None``: the check could not run (``detail`` says why)."""
+    figure: float | None = None
+    bound: float | None = None
+    noise: float | None = None
+    """The noise twin's own figure (the bound is a multiple of it, docs/methods.md#equivalence)."""
+    detail: str | None = None
+    """Where the figure is: the step, the tensor, the ranks or the byte category."""
+
+    @property
+    def margin(self) -> float | None:
+        """Figure over bound: above 1 fails; for a caught bug, how clearly."""
+        if self.figure is None or not self.bound:
+            return None
+        return self.figure / self.bound
+
+
 class Equivalence(_Part):
-    """Does the case train like DDP? The differences, the tolerance, the verdict and why."""
+    """Does the case train like DDP? Every check (see ``zbench.equivalence``), the verdict and why."""
 
     equivalent: bool
     reason: str | None = None
     reference_case: str | None = None
-    tolerance_rel: float | None = None
-    max_abs_loss_diff: float | None = None
+    twin_case: str | None = None
+    """The noise twin whose distance from the reference set the bounds, if one ran."""
+    checks: list[Check] = Field(default_factory=list)
     max_rel_loss_diff: float | None = None
-    max_abs_param_diff: float | None = None
     max_rel_param_diff: float | None = None
+    """Model-wide ``||p - ref|| / ||ref||``."""
     worst_parameter: str | None = None
     worst_parameter_rel_diff: float | None = None
+    tolerance_rel: float | None = None
+    """Schema 2's single fixed tolerance (records before the measured-noise bounds)."""
+    max_abs_loss_diff: float | None = None
+    max_abs_param_diff: float | None = None
+
+    @property
+    def failed_checks(self) -> list[str]:
+        return [c.name for c in self.checks if c.passed is False]
 
 
 class SummaryRow(BaseModel):
@@ -245,6 +275,8 @@ class CaseRecord(_Part):
     """Median step time over the DDP reference's, same run."""
     params_file: str | None = None
     """Final parameters (relative to the run directory) while they are kept; see ``Case.keep_params``."""
+    param_checksums: list[str] = Field(default_factory=list)
+    """Each rank's hash of its final full parameters (they must all agree)."""
 
     @property
     def case_id(self) -> str:

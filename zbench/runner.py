@@ -106,14 +106,12 @@ def _run_cases(suite: Suite, run: RunDir, resume: str | None, progress: Progress
         if case.case_id in records:
             progress.case_reused(index, case, records[case.case_id])
             continue
-        if not case.skip_reason and not case.is_reference and references.lost_params(case):
-            reference = references.find(case)
-            assert reference is not None  # lost_params says it exists
+        for lost in [] if case.skip_reason or case.is_reference else references.lost_params(case):
             progress.note(
-                f"[{index}/{len(suite.cases)}] re-running the DDP reference {reference.case_id}: "
+                f"[{index}/{len(suite.cases)}] re-running {lost.case_id}: "
                 "its final parameters were deleted when the run finished"
             )
-            rerun = by_id.get(reference.case_id, reference.config)  # the suite's case: it carries capabilities
+            rerun = by_id.get(lost.case_id, lost.config)  # the suite's case: it carries capabilities
             _store(_run_guarded(rerun, run, references, index, progress), run, records, references)
         record = skipped_record(case) if case.skip_reason else _run_guarded(case, run, references, index, progress)
         _store(record, run, records, references)
@@ -143,35 +141,43 @@ class References:
     def __init__(self, run: RunDir, stored: Iterable[CaseRecord]) -> None:
         self.run = run
         self._by_key: dict[tuple[object, ...], CaseRecord] = {}
+        self._twins: dict[tuple[object, ...], CaseRecord] = {}
         for record in stored:
             self.add(record)
 
     def add(self, record: CaseRecord) -> None:
         if record.config.is_reference:
             self._by_key[record.config.reference_key] = record
+        elif record.config.noise_twin:
+            self._twins[record.config.reference_key] = record
 
     def find(self, case: Case) -> CaseRecord | None:
         return self._by_key.get(case.reference_key)
 
-    def lost_params(self, case: Case) -> bool:
-        """The case's reference finished but its parameters are gone (a finished run, resumed)."""
-        reference = self.find(case)
-        return (
-            reference is not None
-            and reference.ok
-            and (reference.params_file is None or not (self.run.path / reference.params_file).exists())
-        )
+    def twin(self, case: Case) -> CaseRecord | None:
+        """The group's noise twin, if it ran and finished with its parameters."""
+        twin = self._twins.get(case.reference_key)
+        return twin if twin is not None and twin.ok and self._has_params(twin) else None
+
+    def _has_params(self, record: CaseRecord) -> bool:
+        return record.params_file is not None and (self.run.path / record.params_file).exists()
+
+    def lost_params(self, case: Case) -> list[CaseRecord]:
+        """The case's reference and twin that finished but whose parameters are gone (a finished run, resumed)."""
+        lost = [self._by_key.get(case.reference_key), self._twins.get(case.reference_key)]
+        return [r for r in lost if r is not None and r.ok and not self._has_params(r)]
 
     def release_params(self) -> list[CaseRecord]:
-        """Delete the references' parameter files (unless kept); the records, rewritten without them."""
+        """Delete the references' and twins' parameter files (unless kept); the records, rewritten without them."""
         released = []
-        for key, record in self._by_key.items():
-            if record.params_file is not None and not record.config.keep_params:
-                (self.run.path / record.params_file).unlink(missing_ok=True)
-                record = record.model_copy(update={"params_file": None})
-                self.run.write_case(record)
-                self._by_key[key] = record
-                released.append(record)
+        for kept in (self._by_key, self._twins):
+            for key, record in kept.items():
+                if record.params_file is not None and not record.config.keep_params:
+                    (self.run.path / record.params_file).unlink(missing_ok=True)
+                    record = record.model_copy(update={"params_file": None})
+                    self.run.write_case(record)
+                    kept[key] = record
+                    released.append(record)
         return released
 
 
@@ -207,14 +213,17 @@ def _run_one(case: Case, run: RunDir, references: References, index: int, progre
     except UsageError as exc:  # the NVMe directory went away or filled up since the suite was checked
         return failed_record(case, str(exc), started_at=started_at, ended_at=now())
     if record.ok:
-        _compare_with_reference(record, run, references.find(case) if not case.is_reference else record)
-    if record.params_file is not None and not case.is_reference and not case.keep_params:
+        reference = references.find(case) if not case.is_reference else record
+        _compare_with_reference(record, run, reference, None if case.noise_twin else references.twin(case))
+    if record.params_file is not None and not case.is_reference and not case.noise_twin and not case.keep_params:
         (run.path / record.params_file).unlink(missing_ok=True)
         record.params_file = None
     return record
 
 
-def _compare_with_reference(record: CaseRecord, run: RunDir, reference: CaseRecord | None) -> None:
+def _compare_with_reference(
+    record: CaseRecord, run: RunDir, reference: CaseRecord | None, twin: CaseRecord | None
+) -> None:
     if reference is None or not reference.ok:
         why = (
             "no DDP case with the same model, world size, precision and seed"
@@ -227,10 +236,10 @@ def _compare_with_reference(record: CaseRecord, run: RunDir, reference: CaseReco
     median = record.step_time_median_s
     record.ratio_to_ddp = median / ref_median if median and ref_median else None
     record.equivalence = equivalence.verdict(
-        losses=record.losses(),
-        reference_losses=reference.losses(),
+        record,
+        reference,
+        twin,
         params_path=run.path / record.params_file if record.params_file else None,
         reference_params_path=run.path / reference.params_file if reference.params_file else None,
-        precision=record.config.precision,
-        reference_case=reference.case_id,
+        twin_params_path=run.path / twin.params_file if twin and twin.params_file else None,
     )

@@ -92,6 +92,9 @@ class SuiteConfig(_Frozen):
     regression: RegressionConfig = RegressionConfig()
     keep_params: bool = False
     """Keep each case's final-parameter file after its equivalence verdict is stored (default: deleted)."""
+    noise_twin: bool = True
+    """Run each DDP reference twice, the second time with its batch split another way, to measure the noise floor
+    the equivalence bounds scale with (docs/methods.md#equivalence); off: fixed bounds."""
 
     @field_validator("models")
     @classmethod

@@ -21,7 +21,7 @@ from zbench import suite as suite_mod
 from zbench.console import Progress
 from zbench.record import CaseRecord
 from zbench.runner import run_suite
-from zbench.values import Precision
+from zbench.values import Offload, OptimizerName, Precision
 
 
 def assert_equivalent_to_ddp(
@@ -32,30 +32,49 @@ def assert_equivalent_to_ddp(
     steps: int = 10,
     precision: Precision = "fp32",
     device: str = "cpu",
+    micro_batch: int = 4,
     grad_accum: int = 1,
     grad_clip: float | None = None,
+    optimizer: OptimizerName = "adamw",
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    stage: int | None = None,
+    offload: Offload = "none",
+    seed: int = 0,
     options: dict[str, Any] | None = None,
     timeout_s: float = 300,
     results: str | Path | None = None,
+    **suite_keys: Any,
 ) -> CaseRecord:
     """Train ``implementation`` and DDP on the same model, data and seed; fail unless they agree.
 
-    Returns the implementation's case record (step times, memory, the equivalence figures).
+    Every training setting a suite file has can be given: the named ones above, and any other suite key
+    (``seq_len``, ``noise_twin``, ...) through ``suite_keys``, validated like a suite file. Returns the
+    implementation's case record (step times, memory, every equivalence check's figure and bound).
     ``results`` keeps the result files; by default they go to a temporary directory.
     """
+    entry: dict[str, Any] = {"name": implementation, "options": options or {}}
+    if stage is not None:
+        entry["stages"] = [stage]
     config = suite_mod.from_dict(
         {
             "name": "zbench.testing",
             "device": device,
             "models": [model],
             "world_sizes": [world_size],
-            "implementations": ["ddp", {"name": implementation, "options": options or {}}],
+            "implementations": ["ddp", entry],
             "precisions": [precision],
+            "offload": [offload],
             "steps": steps,
             "warmup_steps": min(3, steps - 1),
+            "micro_batch": micro_batch,
             "grad_accum": grad_accum,
             "grad_clip": grad_clip,
+            "optimizer": {"name": optimizer, "lr": lr, "weight_decay": weight_decay, "momentum": momentum},
+            "seed": seed,
             "timeout_s": timeout_s,
+            **suite_keys,
         },
         source="assert_equivalent_to_ddp",
     )
@@ -68,10 +87,14 @@ def assert_equivalent_to_ddp(
         raise AssertionError(f"{implementation} did not run ({record.status}): {reason}\n{record.stderr_tail}")
     eq = record.equivalence
     if eq is None or not eq.equivalent:
+        checks = "; ".join(
+            f"{c.name}: {'not run' if c.passed is None else 'PASS' if c.passed else 'FAIL'}"
+            + (f" {c.figure:.3g} (bound {c.bound:.3g})" if c.figure is not None and c.bound is not None else "")
+            + (f" [{c.detail}]" if c.detail else "")
+            for c in (eq.checks if eq else [])
+        )
         raise AssertionError(
-            f"{implementation} is not equivalent to DDP: {eq.reason if eq else 'not checked'} "
-            f"(max rel loss diff {eq.max_rel_loss_diff if eq else None}, param rel L2 diff "
-            f"{eq.max_rel_param_diff if eq else None} in {eq.worst_parameter if eq else None}, "
-            f"tolerance {eq.tolerance_rel if eq else None})"
+            f"{implementation} is not equivalent to DDP: {eq.reason if eq else 'not checked'}"
+            + (f"\nchecks: {checks}" if checks else "")
         )
     return record

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import faulthandler
+import hashlib
 import os
 import signal
 import sys
@@ -95,7 +96,9 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
     try:
         for step in range(case.steps):
             batch = synthetic_batch(data_cfg, seed=case.seed, step=step, rows=rows)
-            micro_batches = rank_micro_batches(batch, rank=rank, world=world, grad_accum=case.grad_accum, device=device)
+            micro_batches = rank_micro_batches(
+                batch, rank=rank, world=world, grad_accum=case.micro_batches_per_step, device=device
+            )
             comms.take()  # drop set-up traffic (DDP's initial broadcast, the bandwidth probe, ...)
             if sampler is not None and step == case.warmup_steps:
                 sampler.mark()
@@ -133,7 +136,18 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
         nvml=NvmlSummary(**nvml),
         gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         parameters=cfg.num_parameters,
+        param_checksum=checksum(params),
     )
+
+
+def checksum(params: dict[str, torch.Tensor]) -> str:
+    """A hash of every parameter's name, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(params):
+        tensor = params[name].detach().contiguous().cpu()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()[:16]
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -17,8 +17,8 @@ class ShardedOptimizer:
 
     Note: torch's AdamW and SGD are elementwise, so stepping flat shards is exactly stepping each
     parameter; only the gradient norm needs the whole group, which costs one all-reduce of a scalar
-    (done only when clipping or loss scaling needs it). Zero padding stays zero: its gradient is
-    zero and weight decay of zero is zero.
+    (every step: the harness compares it with DDP's, docs/methods.md#equivalence). Zero padding
+    stays zero: its gradient is zero and weight decay of zero is zero.
     """
 
     def __init__(self, masters: MasterStore, *, spec: TrainSpec, comm: Comm, scaler: LossScaler) -> None:
@@ -27,7 +27,7 @@ class ShardedOptimizer:
         self.comm = comm
         self.scaler = scaler
         self.clip = spec.grad_clip
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: torch.Tensor | None = None
 
     def step(self, grads: Sequence[torch.Tensor]) -> bool:
         """Unscale, clip and apply this rank's gradient shards (one per group, group-mean); False if skipped.
@@ -40,16 +40,14 @@ class ShardedOptimizer:
             inv_scale = 1.0 / self.scaler.scale
             for g in grads:
                 g.mul_(inv_scale)
-        norm = self._global_norm(grads) if self.clip is not None or self.scaler.enabled else None
-        self.last_grad_norm = None if norm is None else float(norm)
+        norm = self._global_norm(grads)
+        self.last_grad_norm = norm
         if self.scaler.enabled:
-            assert norm is not None
             overflow = not torch.isfinite(norm).item()
             self.scaler.update(overflow)
             if overflow:
                 return False
         if self.clip is not None:
-            assert norm is not None
             coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s arithmetic
             for g in grads:
                 g.mul_(coef.to(g.device))
@@ -64,7 +62,7 @@ class ShardedOptimizer:
         return self.comm.all_reduce_sum(sq.to(self.device)).sqrt()  # host shards: the collective runs on the device
 
     def metrics(self) -> dict[str, float]:
-        return {} if self.last_grad_norm is None else {"grad_norm": self.last_grad_norm}
+        return {} if self.last_grad_norm is None else {"grad_norm": float(self.last_grad_norm)}
 
     def state_dict(self) -> dict:
         return {**self.masters.state_dict(), "scaler": self.scaler.state_dict()}

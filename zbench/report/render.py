@@ -8,7 +8,7 @@ import jinja2
 from markupsafe import Markup
 
 from zbench.atomic import atomic_write_bytes
-from zbench.equivalence import TOLERANCE
+from zbench.equivalence import BOUNDS
 from zbench.formatting import fmt_bytes, fmt_ratio, fmt_seconds, status_text
 from zbench.history import case_history, runs_like
 from zbench.report import charts
@@ -40,7 +40,7 @@ def render(run: RunDir, report_dir: Path, *, results_root: Path | None = None) -
     page = _ENV.get_template("index.html.j2").render(
         run=run.info(),
         records=records,
-        tolerances=TOLERANCE,
+        bounds=BOUNDS,
         counts={s: sum(r.status == s for r in records) for s in STATUSES},
         not_equivalent=sum(1 for r in records if r.ok and not r.equivalent),
         charts=[
