@@ -77,6 +77,7 @@ def test_worker_messages_round_trip():
         nvml=NvmlSummary(available=False, reason="CPU run"),
         gpu_name=None,
         parameters=4,
+        param_checksum="0123abcd",
     )
     assert RankResult.model_validate_json(result.model_dump_json()) == result
 

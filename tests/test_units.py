@@ -73,12 +73,23 @@ def expand(cfg):
 
 def test_cartesian_product_with_ddp_reference_first():
     cases = expand(config(precisions=["fp32", "bf16"]))
-    assert len(cases) == 2 * 2 * 3
+    assert len(cases) == 2 * 2 * 4
     groups = {}
     for c in cases:
-        groups.setdefault(c.reference_key, []).append(c.implementation)
-    assert all(impls[0] == "ddp" and sorted(impls) == ["ddp", "fsdp", "torch_zero"] for impls in groups.values())
+        groups.setdefault(c.reference_key, []).append(c.implementation + ("-twin" if c.noise_twin else ""))
+    assert all(impls[:2] == ["ddp", "ddp-twin"] and sorted(impls[2:]) == ["fsdp", "torch_zero"] for impls in groups.values())
     assert len({c.case_id for c in cases}) == len(cases)
+
+
+def test_noise_twin_splits_the_batch_another_way_or_is_left_out():
+    """The twin trains on the same rows (same reference key) in twice or half as many micro-batches."""
+    (twin,) = [c for c in expand(config(world_sizes=[2])) if c.noise_twin]
+    assert twin.reference_key == expand(config(world_sizes=[2]))[0].reference_key
+    assert (twin.micro_batch, twin.micro_batches_per_step) == (4, 2) and twin.case_id.endswith("-twin")
+    odd = expand(config(world_sizes=[2], micro_batch=3, grad_accum=2))
+    assert [c.micro_batches_per_step for c in odd if c.noise_twin] == [1]
+    assert not [c for c in expand(config(world_sizes=[2], micro_batch=3)) if c.noise_twin]
+    assert not [c for c in expand(config(world_sizes=[2], noise_twin=False)) if c.noise_twin]
 
 
 def test_unsupported_combinations_are_skipped_not_errors():
@@ -96,14 +107,14 @@ def test_config_objects_are_frozen():
 
 
 def test_case_round_trips_through_json_with_its_capabilities():
-    case = expand(config(implementations=[{"name": "fsdp", "options": {"x": 1}}]))[1]
+    case = expand(config(implementations=[{"name": "fsdp", "options": {"x": 1}}]))[2]
     back = Case.model_validate(json.loads(json.dumps(case.to_json_dict())))
     assert back == case and back.case_id == case.case_id
     assert back.capabilities is not None and back.capabilities.stages == frozenset({3})
 
 
 def test_case_ids_cannot_escape_the_results_directory():
-    case = expand(config(implementations=["tests.plugins.faulty:FAULTY"]))[1]
+    case = expand(config(implementations=["tests.plugins.faulty:FAULTY"]))[2]
     assert "/" not in case.case_id and ":" not in case.case_id and not case.case_id.startswith(".")
 
 

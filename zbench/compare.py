@@ -41,6 +41,25 @@ def _sci(x: float | None) -> str:
     return "-" if x is None else f"{x:.2e}"
 
 
+def _worst_check(record: CaseRecord) -> str:
+    """The equivalence check closest to (or furthest past) its bound, as a fraction of it."""
+    eq = record.equivalence
+    checks = [c for c in eq.checks if c.margin is not None] if eq else []
+    if not checks:
+        return "-"
+    worst = max(checks, key=lambda c: c.margin or 0.0)
+    return f"{worst.name} {worst.margin:.0%}"
+
+
+def _equivalent(record: CaseRecord) -> str:
+    eq = record.equivalence
+    if eq is None:
+        return "-"
+    if record.config.noise_twin:
+        return "noise twin"
+    return "yes" if eq.equivalent else "NO" + (f" ({', '.join(eq.failed_checks)})" if eq.failed_checks else "")
+
+
 ROWS: tuple[tuple[str, Callable[[SummaryRow, CaseRecord], str]], ...] = (
     ("status", lambda r, rec: status_text(rec)),
     ("median step time", lambda r, rec: fmt_seconds(r.step_time_median_s)),
@@ -52,7 +71,8 @@ ROWS: tuple[tuple[str, Callable[[SummaryRow, CaseRecord], str]], ...] = (
     ("  ZeRO formula", lambda r, rec: fmt_bytes(r.expected_model_state_bytes)),
     ("max rel loss diff", lambda r, rec: _sci(r.max_rel_loss_diff)),
     ("param rel L2 diff", lambda r, rec: _sci(r.max_rel_param_diff)),
-    ("equivalent to DDP", lambda r, rec: {True: "yes", False: "NO", None: "-"}[r.equivalent]),
+    ("worst check / bound", lambda r, rec: _worst_check(rec)),
+    ("equivalent to DDP", lambda r, rec: _equivalent(rec)),
 )
 
 

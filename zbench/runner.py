@@ -214,7 +214,8 @@ def _run_one(case: Case, run: RunDir, references: References, index: int, progre
         return failed_record(case, str(exc), started_at=started_at, ended_at=now())
     if record.ok:
         reference = references.find(case) if not case.is_reference else record
-        _compare_with_reference(record, run, reference, None if case.noise_twin else references.twin(case))
+        # the twin is the noise floor itself: judged against itself as the noise, its margins are 1/multiple
+        _compare_with_reference(record, run, reference, record if case.noise_twin else references.twin(case))
     if record.params_file is not None and not case.is_reference and not case.noise_twin and not case.keep_params:
         (run.path / record.params_file).unlink(missing_ok=True)
         record.params_file = None

@@ -1,0 +1,108 @@
+"""The deliberately-wrong-implementation matrix: every planted bug is NOT EQUIVALENT, in fp32 and bf16, at world 2
+and 3, while the correct controls and the built-in implementations next to them are equivalent.
+
+One suite run holds the whole matrix (real gloo process groups, the real CLI); the bugs are in
+``tests/plugins/wrong.py``. The settings make every bug able to act: gradient accumulation (2
+micro-batches), clipping at 0.5 (active: gradient norms are ~0.6), weight decay 0.1 and 12 steps
+(the late-learning-rate and step-5 bugs need them).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import zbench
+from tests.plugins.wrong import MANUAL_BUGS, ZERO_BUGS
+
+PLUGIN = "tests.plugins.wrong"
+BUGS = [b for b in MANUAL_BUGS if b != "none"] + [b for b in ZERO_BUGS if b != "none"]
+CORRECT = ["fsdp", "torch_zero", "zero1", "zero2", "zero3", "manual-none", "zero_wrong-none"]
+GRID = [(p, w) for p in ("fp32", "bf16") for w in (2, 3)]
+
+
+def suite_yaml() -> str:
+    manual = [f'{{name: "{PLUGIN}:MANUAL", options: {{bug: {b}}}}}' for b in MANUAL_BUGS]
+    zero = [
+        f'{{name: "{PLUGIN}:ZERO", stages: [{3 if b in ("zero_stale_gather", "none") else 2}], options: {{bug: {b}}}}}'
+        for b in ZERO_BUGS
+    ]
+    implementations = ", ".join(["ddp", "fsdp", "torch_zero", "zero1", "zero2", "zero3", *manual, *zero])
+    return f"""
+name: wrong-implementations
+device: cpu
+models: tiny
+world_sizes: [2, 3]
+precisions: [fp32, bf16]
+steps: 12
+warmup_steps: 1
+micro_batch: 2
+grad_accum: 2
+grad_clip: 0.5
+optimizer: {{weight_decay: 0.1}}
+timeout_s: 300
+implementations: [{implementations}]
+"""
+
+
+def label(case: dict) -> str:
+    config = case["config"]
+    bug = config["options"].get("bug")
+    if bug is None:
+        return config["implementation"] + ("-twin" if config.get("noise_twin") else "")
+    return bug if bug != "none" else ("manual-none" if config["implementation"].endswith("MANUAL") else "zero_wrong-none")
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("wrong")
+    (tmp / "s.yaml").write_text(suite_yaml())
+    run = zbench("run", str(tmp / "s.yaml"), "--results", str(tmp / "results"), "--report", str(tmp / "rep"))
+    cases = {}
+    for path in (tmp / "results").glob("*/cases/*.json"):
+        case = json.loads(path.read_text())
+        cases[(label(case), case["config"]["precision"], case["config"]["world_size"])] = case
+    return run, cases, (tmp / "rep" / "index.html").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("precision", "world"), GRID)
+def test_every_bug_is_not_equivalent(matrix, precision, world):
+    _, cases, _ = matrix
+    missed = {}
+    for bug in BUGS:
+        case = cases[(bug, precision, world)]
+        assert case["status"] == "ok", (bug, case.get("error"))
+        eq = case["equivalence"]
+        failed = [c["name"] for c in eq["checks"] if c["passed"] is False]
+        if eq["equivalent"] or not failed:
+            missed[bug] = {c["name"]: (c["figure"], c["bound"]) for c in eq["checks"]}
+    assert not missed, f"bugs judged equivalent at {precision} world {world}: {missed}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("precision", "world"), GRID)
+def test_correct_implementations_and_controls_are_equivalent(matrix, precision, world):
+    _, cases, _ = matrix
+    wrong = {}
+    for name in ["ddp-twin", *CORRECT]:
+        if (name, precision, world) not in cases:
+            continue  # skipped combinations (FSDP has no fp16, ...) are not judged
+        case = cases[(name, precision, world)]
+        if case["status"] == "skipped":
+            continue
+        assert case["status"] == "ok", (name, case.get("error"))
+        if not case["equivalence"]["equivalent"]:
+            wrong[name] = case["equivalence"]["reason"]
+    assert not wrong, f"correct implementations judged NOT EQUIVALENT at {precision} world {world}: {wrong}"
+
+
+@pytest.mark.slow
+def test_run_fails_and_report_names_the_failed_check(matrix):
+    run, cases, report = matrix
+    assert run.returncode == 1  # bugs are failures of the run
+    grad_sum = cases[("grad_sum", "fp32", 2)]["equivalence"]
+    assert [c["name"] for c in grad_sum["checks"] if c["passed"] is False] == ["grad_norm"]
+    assert "NOT EQUIVALENT: grad_norm" in report
+    assert "NOT EQUIVALENT: model_state" in report or "model_state" in report
