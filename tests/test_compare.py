@@ -32,7 +32,11 @@ def test_json_contract(compared):
     result, tmp = compared
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert [c["implementation"] for c in out["cases"]] == ["ddp", "torch_zero"]
+    assert [(c["implementation"], c["noise_twin"]) for c in out["cases"]] == [
+        ("ddp", False),
+        ("ddp", True),
+        ("torch_zero", False),
+    ]
     for case in out["cases"]:
         for key in (
             "implementation",
@@ -47,7 +51,8 @@ def test_json_contract(compared):
             assert case[key] is not None, key
         assert case["status"] == "ok" and case["equivalent"] is True
     assert out["cases"][0]["ratio_to_ddp"] == 1.0
-    assert out["cases"][1]["model_state_bytes"] < out["cases"][0]["model_state_bytes"]
+    assert out["cases"][2]["model_state_bytes"] < out["cases"][0]["model_state_bytes"]
+    assert out["cases"][2]["failed_checks"] == []
     assert (tmp / out["run_id"] / "run.json").exists()
 
 

@@ -3,7 +3,7 @@ and 3, while the correct controls and the built-in implementations next to them 
 
 One suite run holds the whole matrix (real gloo process groups, the real CLI); the bugs are in
 ``tests/plugins/wrong.py``. The settings make every bug able to act: gradient accumulation (2
-micro-batches), clipping at 0.5 (active: gradient norms are ~0.6), weight decay 0.1 and 12 steps
+micro-batches), clipping at 0.5 (active: gradient norms are ~0.6), weight decay 0.1 and 20 steps
 (the late-learning-rate and step-5 bugs need them).
 """
 
@@ -35,7 +35,7 @@ device: cpu
 models: tiny
 world_sizes: [2, 3]
 precisions: [fp32, bf16]
-steps: 12
+steps: 20
 warmup_steps: 1
 micro_batch: 2
 grad_accum: 2

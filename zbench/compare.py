@@ -22,6 +22,7 @@ from zbench.values import Precision
 JSON_FIELDS = (
     "case_id",
     "implementation",
+    "noise_twin",
     "status",
     "step_time_median_s",
     "step_time_iqr_s",
@@ -33,6 +34,7 @@ JSON_FIELDS = (
     "max_rel_loss_diff",
     "max_rel_param_diff",
     "equivalent",
+    "failed_checks",
     "error",
 )
 

@@ -35,6 +35,8 @@ def verdict_text(record: CaseRecord) -> str:
         return "-"
     if eq.reference_case == record.case_id:
         return "reference"
+    if record.config.noise_twin:
+        return "noise twin (sets the bounds)"
     margins = [c.margin for c in eq.checks if c.margin is not None]
     if eq.equivalent:
         return f"equivalent (worst check at {max(margins):.0%} of its bound)" if margins else "equivalent"

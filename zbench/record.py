@@ -225,6 +225,8 @@ class SummaryRow(BaseModel):
     case_id: str
     model: str
     implementation: str
+    noise_twin: bool
+    """The DDP reference's second run that measures its group's noise (docs/methods.md#equivalence)."""
     stage: int
     world_size: int
     precision: str
@@ -241,6 +243,8 @@ class SummaryRow(BaseModel):
     max_rel_loss_diff: float | None
     max_rel_param_diff: float | None
     equivalent: bool | None
+    failed_checks: list[str]
+    """The equivalence checks that failed (``loss``, ``grad_norm``, ``parameters``, ``ranks``, ``model_state``)."""
     error: str | None
 
 
@@ -319,6 +323,7 @@ class CaseRecord(_Part):
         c, eq, ms = self.config, self.equivalence, self.model_state
         return SummaryRow(
             case_id=self.case_id,
+            noise_twin=c.noise_twin,
             model=c.model,
             implementation=c.implementation,
             stage=c.stage,
@@ -337,6 +342,7 @@ class CaseRecord(_Part):
             max_rel_loss_diff=None if eq is None else eq.max_rel_loss_diff,
             max_rel_param_diff=None if eq is None else eq.max_rel_param_diff,
             equivalent=self.equivalent,
+            failed_checks=[] if eq is None else eq.failed_checks,
             error=self.error or self.skip_reason,
         )
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zbench.implementations import zero as zero_impl
+from zbench.implementations.zero import engine as zero_engine
 from zbench.implementations.zero import masters as zero_masters
 from zbench.implementations.zero import optim as zero_optim
 from zbench.implementations.zero import params as zero_params
@@ -37,7 +38,7 @@ MANUAL_BUGS = {
     "accum_double_div": "divides accumulated gradients by the micro-batch count twice",
     "loss_scale_kept": "scales the loss by 128 and never unscales the gradients",
     "clip_local_norm": "clips with this rank's gradient norm before the all-reduce",
-    "lr_high_late": "learning rate 1% too high from step 10",
+    "lr_high_late": "learning rate too high from step 10 (a scheduler stepped twice): x1.1, or option lr_factor",
     "wd_skips_norms": "skips weight decay on LayerNorm parameters",
     "unsynced_step": "forgets the gradient all-reduce on step 5",
     "stale_grad": "steps on the previous step's gradient at step 5",
@@ -109,7 +110,7 @@ class ManualDPEngine(EngineBase):
             torch.nn.utils.clip_grads_with_norm_(params, self.spec.grad_clip, self.grad_norm)
         if self.bug == "lr_high_late" and self.steps == 10:
             for g in self.optimizer.param_groups:
-                g["lr"] *= 1.01
+                g["lr"] *= float(self.spec.options.get("lr_factor", 1.1))
         self.optimizer.step()
         self.steps += 1
         return total / n
@@ -170,6 +171,15 @@ def _casting_step(step: Callable) -> Callable:
     return cast
 
 
+def _upcasting_gather(gather: Callable) -> Callable:
+    """The full-parameter gather reads the bf16 masters as fp32 (so that the bug shows in training, not here)."""
+
+    def upcast(layouts: Any, masters: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        return gather(layouts, [m.float() for m in masters], **kwargs)
+
+    return upcast
+
+
 def _local_norm(self: zero_optim.ShardedOptimizer, grads: list[torch.Tensor]) -> torch.Tensor:
     sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
     for g in grads:
@@ -203,6 +213,7 @@ class Zero(ImplementationBase):
             if bug == "zero_bf16_master":
                 stack.enter_context(_patched(zero_params, "_master", _bf16_master))
                 zero_masters.InMemoryMasters.step = _casting_step(zero_masters.InMemoryMasters.step)  # type: ignore[method-assign]
+                zero_engine.gather_full_parameters = _upcasting_gather(zero_engine.gather_full_parameters)
             engine = factory(model, spec, group)
         if bug == "zero_stale_gather":
             if stage != 3:
