@@ -22,8 +22,8 @@ def record(losses, norms, *, checksums=("a", "a"), master_bytes=0, twin=False, *
         config=make_case(steps=len(losses), noise_twin=twin, capabilities=Capabilities(), **case),
         status="ok",
         steps=[
-            StepSample(step=i, loss=l, step_time_s=0.1, warmup=False, metrics={} if g is None else {"grad_norm": g})
-            for i, (l, g) in enumerate(zip(losses, norms))
+            StepSample(step=i, loss=loss, step_time_s=0.1, warmup=False, metrics={} if g is None else {"grad_norm": g})
+            for i, (loss, g) in enumerate(zip(losses, norms))
         ],
         model_state=ModelState(measured=measured, expected=STATE, measured_total=4000, expected_total=4000),
         param_checksums=list(checksums),

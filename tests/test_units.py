@@ -77,7 +77,9 @@ def test_cartesian_product_with_ddp_reference_first():
     groups = {}
     for c in cases:
         groups.setdefault(c.reference_key, []).append(c.implementation + ("-twin" if c.noise_twin else ""))
-    assert all(impls[:2] == ["ddp", "ddp-twin"] and sorted(impls[2:]) == ["fsdp", "torch_zero"] for impls in groups.values())
+    assert all(
+        impls[:2] == ["ddp", "ddp-twin"] and sorted(impls[2:]) == ["fsdp", "torch_zero"] for impls in groups.values()
+    )
     assert len({c.case_id for c in cases}) == len(cases)
 
 

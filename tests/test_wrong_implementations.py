@@ -51,7 +51,9 @@ def label(case: dict) -> str:
     bug = config["options"].get("bug")
     if bug is None:
         return config["implementation"] + ("-twin" if config.get("noise_twin") else "")
-    return bug if bug != "none" else ("manual-none" if config["implementation"].endswith("MANUAL") else "zero_wrong-none")
+    return (
+        bug if bug != "none" else ("manual-none" if config["implementation"].endswith("MANUAL") else "zero_wrong-none")
+    )
 
 
 @pytest.fixture(scope="module")
