@@ -1,8 +1,10 @@
 """The deliberately-wrong-implementation matrix: every planted bug is NOT EQUIVALENT, in fp32 and bf16, at world 2
 and 3, while the correct controls and the built-in implementations next to them are equivalent.
 
-One suite run holds the whole matrix (real gloo process groups, the real CLI); the bugs are in
-``tests/plugins/wrong.py``. The settings make every bug able to act: gradient accumulation (2
+One suite run holds the whole matrix (real gloo process groups, the real CLI; 72 cases, about 4 minutes on
+2 cores); the bugs are in ``tests/plugins/wrong.py``. The controls are the bug-free forms of the two wrong
+implementations; the built-in implementations' own verdicts are tested in test_world4, test_run_suite,
+test_zero_engine and test_zero_offload. The settings make every bug able to act: gradient accumulation (2
 micro-batches), clipping at 0.5 (active: gradient norms are ~0.6), weight decay 0.1 and 20 steps
 (the late-learning-rate and step-5 bugs need them).
 """
@@ -18,7 +20,7 @@ from tests.plugins.wrong import MANUAL_BUGS, ZERO_BUGS
 
 PLUGIN = "tests.plugins.wrong"
 BUGS = [b for b in MANUAL_BUGS if b != "none"] + [b for b in ZERO_BUGS if b != "none"]
-CORRECT = ["fsdp", "torch_zero", "zero1", "zero2", "zero3", "manual-none", "zero_wrong-none"]
+CORRECT = ["manual-none", "zero_wrong-none"]
 GRID = [(p, w) for p in ("fp32", "bf16") for w in (2, 3)]
 
 
@@ -28,7 +30,7 @@ def suite_yaml() -> str:
         f'{{name: "{PLUGIN}:ZERO", stages: [{3 if b in ("zero_stale_gather", "none") else 2}], options: {{bug: {b}}}}}'
         for b in ZERO_BUGS
     ]
-    implementations = ", ".join(["ddp", "fsdp", "torch_zero", "zero1", "zero2", "zero3", *manual, *zero])
+    implementations = ", ".join(["ddp", *manual, *zero])
     return f"""
 name: wrong-implementations
 device: cpu
@@ -60,7 +62,9 @@ def label(case: dict) -> str:
 def matrix(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wrong")
     (tmp / "s.yaml").write_text(suite_yaml())
-    run = zbench("run", str(tmp / "s.yaml"), "--results", str(tmp / "results"), "--report", str(tmp / "rep"))
+    run = zbench(
+        "run", str(tmp / "s.yaml"), "--results", str(tmp / "results"), "--report", str(tmp / "rep"), timeout=1800
+    )
     cases = {}
     for path in (tmp / "results").glob("*/cases/*.json"):
         case = json.loads(path.read_text())
