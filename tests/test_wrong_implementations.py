@@ -22,6 +22,10 @@ PLUGIN = "tests.plugins.wrong"
 BUGS = [b for b in MANUAL_BUGS if b != "none"] + [b for b in ZERO_BUGS if b != "none"]
 CORRECT = ["manual-none", "zero_wrong-none"]
 GRID = [(p, w) for p in ("fp32", "bf16") for w in (2, 3)]
+#: Bugs whose whole effect is below the spread between correct bf16 designs: skipping weight decay on LayerNorms
+#: moves them by 0.2% in 20 steps, while a bf16 compute copy and DDP's autocast differ by up to 8% on a LayerNorm
+#: bias. The fp32 case of the same implementation catches it (by three orders of magnitude); docs/methods.md.
+FP32_ONLY = {"wd_skips_norms"}
 
 
 def suite_yaml() -> str:
@@ -78,6 +82,8 @@ def test_every_bug_is_not_equivalent(matrix, precision, world):
     _, cases, _ = matrix
     missed = {}
     for bug in BUGS:
+        if precision != "fp32" and bug in FP32_ONLY:
+            continue
         case = cases[(bug, precision, world)]
         assert case["status"] == "ok", (bug, case.get("error"))
         eq = case["equivalence"]
