@@ -24,6 +24,20 @@ from zbench.protocol import Capabilities, EngineBase, MicroBatch, TrainSpec
 from zbench.state_bytes import module_state_bytes, moved_to_host
 
 
+def shard_groups(model: nn.Module) -> list[list[nn.Module]]:
+    """The FSDP groups below the root: one per block, except that blocks sharing a parameter form one group
+    (FSDP2 refuses a parameter managed by two groups) and blocks sharing one with the root stay in the root's."""
+    blocks = list(getattr(model, "blocks", []))
+    ids = [{id(p) for p in block.parameters()} for block in blocks]
+    in_root = {id(p) for name, p in model.named_parameters() if not name.startswith("blocks.")}
+    groups: list[set[int]] = []
+    for i in range(len(blocks)):
+        touching = [g for g in groups if any(ids[i] & ids[j] for j in g)]
+        groups = [g for g in groups if g not in touching] + [{i}.union(*touching)]
+    kept = [sorted(g) for g in groups if not set().union(*(ids[j] for j in g)) & in_root]
+    return [[blocks[j] for j in g] for g in sorted(kept)]
+
+
 class FSDPEngine(EngineBase):
     def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         self.spec = spec
@@ -36,8 +50,8 @@ class FSDPEngine(EngineBase):
             if spec.offload == "optimizer+params"
             else OffloadPolicy()
         )
-        for block in getattr(model, "blocks", []):
-            fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
+        for group in shard_groups(model):
+            fully_shard(group, mesh=mesh, mp_policy=policy, offload_policy=offload)
         sharded = fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
         assert isinstance(sharded, nn.Module)  # ``model`` itself, its class now a subclass of FSDPModule too
         self.model = sharded

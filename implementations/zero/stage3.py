@@ -25,9 +25,24 @@ def split_units(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[
 
     Blocks are the entries of ``model.blocks`` when it has one; everything else (embeddings, final
     norm, head) belongs to the root. A model without ``blocks`` is one unit, gathered whole.
+
+    Note: a parameter shared by two blocks (or by a block and the root) belongs to the root: a unit's
+    parameters are views of its own flat buffer, freed between its forward and backward, so a weight
+    bound into one block's buffer would be freed under the other block's feet. The root stays gathered
+    from the model's forward until the end of its backward, so a shared weight is always there; its
+    gradient from every use is summed by autograd before the root's bucket takes it.
     """
     name_of = {id(p): name for name, p in model.named_parameters()}
-    blocks = [[(name_of[id(p)], p) for p in block.parameters()] for block in getattr(model, "blocks", [])]
+    owners: dict[int, int] = {}
+    for block in getattr(model, "blocks", []):
+        for p in set(map(id, block.parameters())):
+            owners[p] = owners.get(p, 0) + 1
+    direct = {id(p) for name, p in model.named_parameters() if not name.startswith("blocks.")}
+    shared = {p for p, n in owners.items() if n > 1 or p in direct}
+    blocks = [
+        [(name_of[id(p)], p) for p in block.parameters() if id(p) not in shared]
+        for block in getattr(model, "blocks", [])
+    ]
     in_blocks = {id(p) for block in blocks for _, p in block}
     root = [(name, p) for name, p in model.named_parameters() if id(p) not in in_blocks]
     return root, blocks
@@ -125,6 +140,9 @@ class ZeRO3Engine(ReducedEachMicroBatch):
     def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         self._begin(model, spec, group)
         root, blocks = split_units(model)
+        empty = [i for i, block in enumerate(blocks) if not block]
+        if empty:
+            raise ValueError(f"zero3: blocks {empty} have no parameters of their own (all are shared with others)")
         dtype = spec.compute_dtype
         self.units = []
         for named in ([root] if root else []) + blocks:
