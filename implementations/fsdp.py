@@ -50,8 +50,8 @@ class FSDPEngine(EngineBase):
             if spec.offload == "optimizer+params"
             else OffloadPolicy()
         )
-        for group in shard_groups(model):
-            fully_shard(group, mesh=mesh, mp_policy=policy, offload_policy=offload)
+        for blocks in shard_groups(model):
+            fully_shard(blocks, mesh=mesh, mp_policy=policy, offload_policy=offload)
         sharded = fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
         assert isinstance(sharded, nn.Module)  # ``model`` itself, its class now a subclass of FSDPModule too
         self.model = sharded
