@@ -1,7 +1,7 @@
 """Model presets by name and the synthetic data every implementation trains on.
 
 The model is a plain GPT (nanoGPT-shaped: token + position embeddings, pre-norm
-blocks, untied head) so a newcomer can read it top to bottom. Presets range from
+blocks, a head of its own or, in the ``-tied`` presets, the token embedding's weight) so a newcomer can read it top to bottom. Presets range from
 ``tiny`` (seconds on a CPU) to ``gpt-70b``; the big ones exist for planning:
 their parameter count is exact (``GPTConfig.num_parameters`` equals what the
 module would hold) even where they cannot be built (``zbench.presets``: the
@@ -51,6 +51,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))

@@ -17,6 +17,8 @@ class GPTConfig:
     vocab: int
     seq: int
     mlp_ratio: int = 4
+    tie_embeddings: bool = False
+    """The output head reuses the token embedding's weight (GPT-2, Llama-style): one tensor, two uses."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
@@ -45,20 +47,23 @@ class GPTConfig:
             self.embedding_parameters
             + self.layers * self.block_parameters
             + 2 * self.d_model
-            + self.d_model * self.vocab
+            + (0 if self.tie_embeddings else self.d_model * self.vocab)
         )
 
     def flops_per_token(self, seq: int | None = None) -> float:
         """Training FLOPs per token at sequence length ``seq`` (default: the full context): 6·(Ψ − embeddings)
         + attention, 6·layers·heads·head_dim·seq (docs/methods.md)."""
-        return 6 * (self.num_parameters - self.embedding_parameters) + 6 * self.layers * self.heads * self.head_dim * (
-            seq or self.seq
-        )
+        head = self.d_model * self.vocab if self.tie_embeddings else 0  # a tied head still multiplies
+        return 6 * (
+            self.num_parameters - self.embedding_parameters + head
+        ) + 6 * self.layers * self.heads * self.head_dim * (seq or self.seq)
 
 
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(layers=2, d_model=64, heads=2, vocab=256, seq=32),
+    "tiny-tied": GPTConfig(layers=2, d_model=64, heads=2, vocab=256, seq=32, tie_embeddings=True),
     "small": GPTConfig(layers=4, d_model=256, heads=4, vocab=1024, seq=128),
+    "small-tied": GPTConfig(layers=4, d_model=256, heads=4, vocab=1024, seq=128, tie_embeddings=True),
     # ~41M parameters: AdamW state of 330 MB, big enough that offloading it shows in a CPU rank's resident memory
     "medium": GPTConfig(layers=4, d_model=768, heads=12, vocab=8192, seq=128),
     "gpt-125m": GPTConfig(layers=12, d_model=768, heads=12, vocab=50304, seq=2048),
