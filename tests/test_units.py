@@ -272,3 +272,20 @@ def test_ledger_records_collectives_and_logical_labels():
     finally:
         comms.uninstall()
         dist.destroy_process_group()
+
+
+def test_activation_checkpointing_recomputes_every_block_in_backward(monkeypatch):
+    from zbench.models import Block, checkpoint_blocks
+
+    calls = []
+    forward = Block.forward
+    monkeypatch.setattr(Block, "forward", lambda self, x: calls.append(1) or forward(self, x))
+    model = checkpoint_blocks(build_model("tiny", seed=0))
+    batch = synthetic_batch(PRESETS["tiny"], seed=0, step=0, rows=2)
+    model(batch[:, :-1], batch[:, 1:]).backward()
+    assert len(calls) == 2 * PRESETS["tiny"].layers  # once in forward, once more in backward
+
+
+def test_case_ids_and_reference_groups_tell_checkpointing_apart():
+    plain, ckpt = (c for c in expand(config(world_sizes=[2], activation_checkpointing=[False, True])) if c.is_reference)
+    assert ckpt.case_id.endswith("-ckpt") and plain.reference_key != ckpt.reference_key

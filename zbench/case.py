@@ -49,6 +49,8 @@ class Case(BaseModel):
     grad_clip: float | None
     options: dict[str, Any] = Field(default_factory=dict)
     """Implementation-specific knobs from the suite (bucket sizes, prefetch, ...)."""
+    activation_checkpointing: bool = False
+    """Every block's activations recomputed in backward (``zbench.models.checkpoint_blocks``)."""
     nvme_dir: str | None = None
     """The suite's NVMe directory (each case swaps into its own sub-directory of it, see ``zbench.nvme``)."""
     target_loss: float | None = None
@@ -76,6 +78,8 @@ class Case(BaseModel):
         ]
         if self.options:
             parts.append(hashlib.sha1(repr(tuple(sorted(self.options.items()))).encode()).hexdigest()[:6])
+        if self.activation_checkpointing:
+            parts.append("ckpt")
         if self.noise_twin:
             parts.append("twin")
         return "-".join(parts)
@@ -98,6 +102,7 @@ class Case(BaseModel):
             self.weight_decay,
             self.momentum,
             self.grad_clip,
+            self.activation_checkpointing,
         )
 
     @property

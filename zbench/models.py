@@ -1,18 +1,22 @@
 """Model presets by name and the synthetic data every implementation trains on.
 
 The model is a plain GPT (nanoGPT-shaped: token + position embeddings, pre-norm
-blocks, a head of its own or, in the ``-tied`` presets, the token embedding's weight) so a newcomer can read it top to bottom. Presets range from
-``tiny`` (seconds on a CPU) to ``gpt-70b``; the big ones exist for planning:
-their parameter count is exact (``GPTConfig.num_parameters`` equals what the
-module would hold) even where they cannot be built (``zbench.presets``: the
+blocks, a head of its own or, in the ``-tied`` presets, the token embedding's
+weight) so a newcomer can read it top to bottom. Presets range from ``tiny``
+(seconds on a CPU) to ``gpt-70b``; the big ones exist for planning: their
+parameter count is exact (``GPTConfig.num_parameters`` equals what the module
+would hold) even where they cannot be built (``zbench.presets``: the
 configurations, importable without torch).
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from zbench.presets import GPTConfig, get_config
 
@@ -69,6 +73,21 @@ def build_model(name: str, *, seed: int, device: torch.device | str = "cpu") -> 
         torch.manual_seed(seed)
         model = GPT(cfg)
     return model.to(device)
+
+
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    """Recompute each block's activations in backward (non-reentrant ``torch.utils.checkpoint``), in place.
+
+    The harness applies it before handing the model to an implementation, so every implementation trains
+    the same checkpointed model. Only the block's own ``forward`` is recomputed; its module hooks (a
+    stage-3 engine's gathers) fire once around the checkpointed call, not again during recomputation.
+    """
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise ValueError(f"activation checkpointing needs model.blocks; {type(model).__name__} has none")
+    for block in blocks:
+        block.forward = partial(checkpoint, type(block).forward, block, use_reentrant=False)
+    return model
 
 
 def synthetic_batch(cfg: GPTConfig, *, seed: int, step: int, rows: int, seq: int | None = None) -> torch.Tensor:

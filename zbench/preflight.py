@@ -85,8 +85,12 @@ def resolve_implementations(names: list[str], source: str) -> dict[str, Implemen
 def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str, Implementation]) -> list[Case]:
     """The cartesian product of the suite's axes as cases, DDP first in each group, unsupported ones skipped."""
     cases = []
-    for model, world, precision, entry in itertools.product(
-        config.models, config.world_sizes, config.precisions, entries_with_reference(config)
+    for model, world, precision, checkpointing, entry in itertools.product(
+        config.models,
+        config.world_sizes,
+        config.precisions,
+        config.activation_checkpointing,
+        entries_with_reference(config),
     ):
         caps = implementations[entry.name].capabilities
         stages = entry.stages or sorted(caps.stages)
@@ -116,6 +120,7 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
                 nvme_dir=config.nvme_dir,
                 target_loss=config.target_loss,
                 keep_params=config.keep_params,
+                activation_checkpointing=checkpointing,
                 capabilities=caps,
             )
             reason = caps.why_unsupported(

@@ -77,6 +77,9 @@ class SuiteConfig(_Frozen):
     world_sizes: Annotated[list[Annotated[int, Field(ge=1)]], BeforeValidator(_as_list)] = Field(min_length=1)
     precisions: Annotated[list[Precision], BeforeValidator(_as_list)] = ["fp32"]
     offload: Annotated[list[Offload], BeforeValidator(_as_list)] = ["none"]
+    activation_checkpointing: Annotated[list[bool], BeforeValidator(_as_list)] = [False]
+    """Axis: recompute each transformer block's activations in backward (the harness applies it the same way for
+    every implementation, to every block of ``model.blocks``)."""
     steps: int = Field(20, ge=1)
     warmup_steps: int = Field(3, ge=0)
     micro_batch: int = Field(4, ge=1)

@@ -32,7 +32,7 @@ from zbench.measure.memory import peak_memory, reset_peak
 from zbench.measure.nvml import NvmlSampler
 from zbench.measure.phases import PhaseClock, clock_name
 from zbench.measure.timing import timed
-from zbench.models import build_model, rank_micro_batches, synthetic_batch
+from zbench.models import build_model, checkpoint_blocks, rank_micro_batches, synthetic_batch
 from zbench.presets import GPTConfig, get_config
 from zbench.protocol import Engine, Implementation
 from zbench.record import NvmlSummary, PhaseTimes, RankMemory
@@ -79,6 +79,8 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
     data_cfg = dataclasses.replace(cfg, seq=case.seq_len)
     implementation = registry.resolve(case.implementation)
     model = build_model(case.model, seed=case.seed, device=device)
+    if case.activation_checkpointing:
+        checkpoint_blocks(model)
     engine = check_engine(
         implementation.build(model, case.train_spec(device, swap_dir=task.swap_dir), dist.group.WORLD),
         case.implementation,

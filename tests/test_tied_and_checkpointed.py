@@ -1,5 +1,7 @@
-"""Shared parameters through every built-in engine: a head tied to the token embedding (GPT-2, Llama style) and one
-weight shared by two transformer blocks (two stage-3 units). Each trains exactly like DDP on the same tied model.
+"""Shared parameters and activation checkpointing through every built-in engine: a head tied to the token embedding
+(GPT-2, Llama style) and one weight shared by two transformer blocks (two stage-3 units), each with and without
+activation checkpointing (``zbench.models.checkpoint_blocks``, applied before the engine wraps the model, as the
+worker does). Each engine trains exactly like DDP on the same model.
 
 Stage 3 used to crash its ranks (SIGSEGV) on a weight shared by two blocks: the second block's flat buffer read
 the weight through the first block's freed storage. Shared weights now live in the root unit.
@@ -18,15 +20,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ENGINES = ("ddp", "fsdp", "torch_zero", "zero1", "zero2", "zero3")
-TIES = ("embedding", "blocks", "both")
+TIES = ("embedding", "blocks", "both", "embedding+ckpt", "both+ckpt")
 STEPS = 6
 
 
 def tie(model: torch.nn.Module, how: str) -> None:
-    if how in ("embedding", "both"):
+    from zbench.models import checkpoint_blocks
+
+    if how.startswith(("embedding", "both")):
         model.head.weight = model.tok.weight
-    if how in ("blocks", "both"):
+    if how.startswith(("blocks", "both")):
         model.blocks[1].fc.weight = model.blocks[0].fc.weight
+    if how.endswith("+ckpt"):
+        checkpoint_blocks(model)
 
 
 def train(rank: int, world: int, port: int, out: str) -> None:
