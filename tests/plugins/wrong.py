@@ -41,7 +41,7 @@ MANUAL_BUGS = {
     "lr_high_late": "learning rate too high from step 10 (a scheduler stepped twice): x1.1, or option lr_factor",
     "wd_skips_norms": "skips weight decay on LayerNorm parameters",
     "unsynced_step": "forgets the gradient all-reduce on step 5",
-    "stale_grad": "steps on the previous step's gradient at step 5",
+    "stale_grad": "steps on the previous step's gradient from step 5 on (a gradient buffer one step late)",
     "rank_lr": "rank 1 uses a 1% higher learning rate (ranks drift apart)",
 }
 ZERO_BUGS = {
@@ -101,7 +101,7 @@ class ManualDPEngine(EngineBase):
                     p.grad /= self.world
         if self.bug == "stale_grad":
             current = [p.grad.clone() for p in params]
-            if self.steps == 5 and self.previous is not None:
+            if self.steps >= 5 and self.previous is not None:
                 for p, g in zip(params, self.previous):
                     p.grad.copy_(g)
             self.previous = current
