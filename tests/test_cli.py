@@ -57,6 +57,7 @@ def test_results_from_the_environment_and_params_kept(env_run):
     assert proc.returncode == 0, proc.stderr
     (run,) = list((tmp / "results").iterdir())
     assert sorted(p.name for p in (run / "params").iterdir()) == [
+        "tiny-ddp-s0-w1-fp32-none-twin.pt",
         "tiny-ddp-s0-w1-fp32-none.pt",
         "tiny-torch_zero-s1-w1-fp32-none.pt",
     ]
@@ -66,8 +67,8 @@ def test_results_from_the_environment_and_params_kept(env_run):
 
 def test_heartbeat_off_a_terminal(env_run):
     proc, _ = env_run
-    beats = [line for line in proc.stderr.splitlines() if line.startswith("[1/2] tiny-ddp") and ": step " in line]
-    assert beats, proc.stderr  # e.g. "[1/2] tiny-ddp-s0-w1-fp32-none: step 7/12, 3 s"
+    beats = [line for line in proc.stderr.splitlines() if line.startswith("[1/3] tiny-ddp") and ": step " in line]
+    assert beats, proc.stderr  # e.g. "[1/3] tiny-ddp-s0-w1-fp32-none: step 7/12, 3 s" (DDP, its noise twin, torch_zero)
     assert all(line.rstrip().endswith(" s") for line in beats)
 
 

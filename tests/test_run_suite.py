@@ -139,7 +139,9 @@ def test_broken_implementation_is_caught(suite_run):
     assert case["status"] == "ok"
     assert case["equivalence"]["equivalent"] is False
     assert case["equivalence"]["max_rel_param_diff"] > 1e-5
-    assert "differ from tiny-ddp" in case["equivalence"]["reason"]
+    failed = {c["name"] for c in case["equivalence"]["checks"] if c["passed"] is False}
+    assert {"loss", "parameters", "ranks"} <= failed, case["equivalence"]["reason"]  # rank 1 drifts from rank 0
+    assert "ranks [1] differ from rank 0" in case["equivalence"]["reason"]
 
 
 @pytest.mark.parametrize(
@@ -308,8 +310,9 @@ def test_resume_runs_only_missing_cases(suite_run, tmp_path):
         run_dir.name,
     )
     assert "already stored" in result.stderr
-    # the run had finished, so its DDP reference's parameters were gone: the reference runs again, then the case
-    assert result.stderr.count("running on 2 cpu ranks") == 2
-    assert "re-running the DDP reference" in result.stderr
+    # the run had finished, so its DDP reference's and noise twin's parameters were gone: both run again, then the case
+    assert result.stderr.count("running on 2 cpu ranks") == 3
+    assert "re-running tiny-ddp-s0-w2-fp32-none:" in result.stderr
+    assert "re-running tiny-ddp-s0-w2-fp32-none-twin:" in result.stderr
     again = json.loads(victim.read_text())
     assert again["status"] == "ok" and again["equivalence"]["equivalent"] is True, again["equivalence"]
