@@ -59,10 +59,10 @@ class Bound:
 #: that started at zero (a LayerNorm bias) differs between a bf16-compute-copy design (ZeRO, FSDP) and DDP's
 #: autocast by up to ~8% of its norm after 20 steps, which no twin of DDP shows: per tensor, only 25% counts
 #: there; finer bf16 bugs are left to the loss, gradient-norm, rank and model-state checks and to the fp32 run.
-#: The same structural difference reaches ~1e-3 in the per-step loss on a tied-embedding model (the shared
-#: weight is rounded for both its uses), hence the bf16 loss floor of 3e-3.
+#: The same structural difference reaches ~2.4e-3 (~10x the twin) in the per-step loss on a tied-embedding model
+#: (the shared weight is rounded for both its uses), hence 20x the twin and at least 4e-3 for the bf16 loss.
 BOUNDS: dict[str, Bound] = {
-    "loss": Bound(multiple={"fp32": 10, "bf16": 10, "fp16": 10}, least={"fp32": 1e-6, "bf16": 3e-3, "fp16": 3e-3}),
+    "loss": Bound(multiple={"fp32": 10, "bf16": 20, "fp16": 20}, least={"fp32": 1e-6, "bf16": 4e-3, "fp16": 4e-3}),
     "grad_norm": Bound(multiple={"fp32": 10, "bf16": 10, "fp16": 10}, least={"fp32": 1e-3, "bf16": 1e-2, "fp16": 1e-2}),
     "parameters": Bound(
         multiple={"fp32": 10, "bf16": 50, "fp16": 50}, least={"fp32": 1e-6, "bf16": 0.25, "fp16": 0.25}
