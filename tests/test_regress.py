@@ -1,4 +1,8 @@
-"""The regression gate: statistics on synthetic samples, then two real runs with one implementation slowed."""
+"""The regression gate: statistics on synthetic samples, the paired-ratio verdicts on synthetic records, then
+real runs with one implementation slowed (``zbench check``) and a real A/B of two checkouts (``zbench ab``).
+
+How the gate behaves on a loaded machine, over many reruns, is measured in docs/methods.md#regression-gate
+(the figures are too slow to take in a test run)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,15 @@ import numpy as np
 import pytest
 
 from tests.conftest import make_case, zbench
-from zbench.record import CaseRecord, Equivalence, MemorySummary, ModelState, StepSample, StepTimeSummary
+from zbench.record import (
+    CaseRecord,
+    Equivalence,
+    MemorySummary,
+    ModelState,
+    PairedTiming,
+    StepSample,
+    StepTimeSummary,
+)
 from zbench.regress import Thresholds, check, compare_bytes, compare_times
 from zbench.run_info import Environment, RunInfo, SuiteInfo
 from zbench.store import RunDir
@@ -62,23 +74,110 @@ def test_memory_thresholds():
 CASE = make_case()
 
 
-def fake_run(root, run_id, *, peak=2**30, times=None, equivalent=True, status="ok"):
-    run = RunDir(root, run_id)
-    run.start(RunInfo(run_id=run_id, suite=SuiteInfo(name="s"), environment=Environment(host="h", cpu_count=2)))
-    steps = [StepSample(step=i, loss=1.0, step_time_s=t, warmup=False) for i, t in enumerate(times or [0.1] * 10)]
+def record(case, *, times, paired=None, peak=2**30, equivalent=True, status="ok") -> CaseRecord:
+    steps = [StepSample(step=i, loss=1.0, step_time_s=t, warmup=False) for i, t in enumerate(times)]
     state = {c: {loc: 0 for loc in LOCATIONS} for c in CATEGORIES}
-    run.write_case(
-        CaseRecord(
-            config=CASE,
-            status=status,
-            steps=steps,
-            summary=StepTimeSummary(step_time_median_s=float(np.median([s.step_time_s for s in steps]))),
-            memory=MemorySummary(kind="rss", peak_bytes=peak),
-            model_state=ModelState(measured=state, measured_total=2**20, expected_total=2**20),
-            equivalence=Equivalence(equivalent=equivalent, reason="loss differs"),
-        )
+    return CaseRecord(
+        config=case,
+        status=status,
+        steps=steps,
+        summary=StepTimeSummary(step_time_median_s=float(np.median(times))),
+        memory=MemorySummary(kind="rss", peak_bytes=peak),
+        model_state=ModelState(measured=state, measured_total=2**20, expected_total=2**20),
+        equivalence=Equivalence(equivalent=equivalent, reason="loss differs"),
+        paired=paired,
     )
+
+
+def fake_run(root, run_id, *, peak=2**30, times=None, equivalent=True, status="ok", records=(), **environment):
+    run = RunDir(root, run_id)
+    env = Environment(host="h", cpu_count=2, **environment)
+    run.start(RunInfo(run_id=run_id, suite=SuiteInfo(name="s"), environment=env))
+    for r in records or [record(CASE, times=times or [0.1] * 10, peak=peak, equivalent=equivalent, status=status)]:
+        run.write_case(r)
     return run
+
+
+ZERO2 = make_case(implementation="zero2", stage=2)
+
+
+def paired_run(root, run_id, rng, *, machine=1.0, slowdown=1.0, rounds=200, cv=0.15, **environment):
+    """DDP (the reference) and zero2 (paired with a DDP copy, ~1.1x its step) on a machine ``machine`` times
+    slower than usual, every step with ``cv`` noise of its own: what a loaded machine does to a run."""
+    ddp = machine * 0.1 * rng.lognormal(0, cv, 10)
+    reference = machine * 0.1 * rng.lognormal(0, cv, rounds)
+    case = slowdown * machine * 0.11 * rng.lognormal(0, cv, rounds)
+    records = [
+        record(CASE, times=ddp.tolist()),
+        record(
+            ZERO2,
+            times=(slowdown * machine * 0.11 * rng.lognormal(0, cv, 10)).tolist(),
+            paired=PairedTiming(case_s=case.tolist(), reference_s=reference.tolist()),
+        ),
+    ]
+    return fake_run(root, run_id, records=records, **environment)
+
+
+def test_machine_twice_as_slow_is_drift_not_a_regression(tmp_path):
+    rng = np.random.default_rng(3)
+    base = paired_run(tmp_path, "a", rng)
+    result = check(paired_run(tmp_path, "b", rng, machine=2.0), base, T)
+    assert result.verdict == "pass", result.findings
+    drift = [f for f in result.findings if f.kind == "drift"]
+    assert [f.case_id for f in drift] == [CASE.case_id] and drift[0].change_pct > 50
+    assert "not gated" in drift[0].detail
+
+
+def test_paired_ratio_catches_a_ten_percent_slowdown_on_a_slower_machine(tmp_path):
+    rng = np.random.default_rng(4)
+    base = paired_run(tmp_path, "a", rng)
+    result = check(paired_run(tmp_path, "b", rng, machine=0.7, slowdown=1.1), base, T)
+    assert result.verdict == "fail"
+    (finding,) = result.failed
+    assert (finding.case_id, finding.metric, finding.kind) == (ZERO2.case_id, "step_time_vs_ddp", "regression")
+    assert 5 < finding.change_pct < 15 and "absolute median -2" in finding.detail  # 0.7 x 1.1 = 0.77
+
+
+def test_paired_gate_false_alarms_and_detections_on_noisy_rounds(tmp_path):
+    """400 rounds a side at 15% per-step noise, machines 0.5-3x as fast: unchanged runs never flagged, a 10%
+    slowdown caught at least 19 times in 20 (the issue's bar), 40 trials each.
+
+    The estimate has to clear the 5% minimum effect, not just be significant, and the baseline's own error is
+    shared by every trial: this baseline's median ratio came out 1.9% high, so the slowed runs' estimated
+    change centres near 8%, with a 1.3% standard error on each side's median; about 1 in 40 lands under 5%."""
+    rng = np.random.default_rng(5)
+    base = paired_run(tmp_path, "base", rng, rounds=400)
+    alarms = sum(
+        check(paired_run(tmp_path, f"u{i}", rng, machine=rng.uniform(0.5, 3), rounds=400), base, T).failed != []
+        for i in range(40)
+    )
+    caught = sum(
+        check(
+            paired_run(tmp_path, f"s{i}", rng, machine=rng.uniform(0.5, 3), slowdown=1.1, rounds=400), base, T
+        ).verdict
+        == "fail"
+        for i in range(40)
+    )
+    assert alarms == 0 and caught >= 38, (alarms, caught)
+
+
+def test_without_paired_rounds_the_gate_says_it_fell_back_to_absolute_times(tmp_path):
+    rng = np.random.default_rng(6)
+    base = paired_run(tmp_path, "a", rng)
+    unpaired = record(ZERO2, times=(0.2 * rng.lognormal(0, 0.02, 10)).tolist())
+    result = check(fake_run(tmp_path, "b", records=[unpaired]), base, T)
+    (finding,) = result.failed
+    assert finding.metric == "step_time" and "no paired rounds in the candidate" in finding.detail
+
+
+def test_environment_differences_are_shown_with_the_verdict(tmp_path):
+    from zbench import check as check_mod
+
+    rng = np.random.default_rng(7)
+    base = paired_run(tmp_path, "a", rng, torch="2.12.0", load_average_1m=0.2)
+    result = check(paired_run(tmp_path, "b", rng, torch="2.13.0", load_average_1m=3.5), base, T)
+    assert result.environment_changes == {"torch": ("2.12.0", "2.13.0"), "load_average_1m": (0.2, 3.5)}
+    assert "torch 2.12.0 -> 2.13.0; load_average_1m 0.2 -> 3.5" in check_mod.markdown(result)
 
 
 def test_check_finds_memory_growth_equivalence_and_status_failures(tmp_path):
@@ -102,13 +201,11 @@ world_sizes: 2
 steps: 12
 warmup_steps: 2
 implementations: [ddp, {name: "tests.plugins.faulty:FAULTY", options: {fault: slow}}]
-# Separate processes minutes apart on a shared 2-core machine drift by far more
-# than the 5% default: an unchanged rerun was flagged at +72% while another
-# process loaded the machine, and busy machines drift up to 3x. This test is
-# about the mechanics, not the machine, so it gates at +1000% (11x) and injects
-# +500 ms on a ~10-40 ms step (13x-50x): the slowed run is caught on any
-# machine, an unchanged one passes on a loaded one.
-regression: {time_pct: 1000}
+noise_twin: false
+# FAULTY runs DDP's code, so its step over the paired DDP copy's stays near 1 however loaded the machine
+# is; the slowed build takes twice as long (+100%). This test is about the mechanics, not the machine's
+# noise (docs/methods.md#regression-gate has the figures), so it gates at +25%.
+regression: {time_pct: 25}
 """
 
 
@@ -118,12 +215,12 @@ def three_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gate")
     (tmp / "gate.yaml").write_text(SUITE)
     runs = []
-    for i, slowdown in enumerate(("0", "0.5", "0")):
-        os.environ["ZBENCH_TEST_SLOWDOWN_S"] = slowdown
+    for i, slowdown in enumerate(("0", "100", "0")):
+        os.environ["ZBENCH_TEST_SLOWDOWN_PCT"] = slowdown
         try:
             r = zbench("run", str(tmp / "gate.yaml"), "--results", str(tmp / f"run{i}"), "--report", str(tmp / "rep"))
         finally:
-            del os.environ["ZBENCH_TEST_SLOWDOWN_S"]
+            del os.environ["ZBENCH_TEST_SLOWDOWN_PCT"]
         assert r.returncode == 0, r.stderr
         runs.append(next((tmp / f"run{i}").iterdir()))
     return runs
@@ -137,7 +234,7 @@ def test_slowed_run_fails_the_gate_naming_the_case(three_runs, tmp_path):
     out = json.loads(r.stdout)
     assert out["verdict"] == "fail"
     names = {(f["case_id"], f["metric"], f["kind"]) for f in out["findings"]}
-    assert any("FAULTY" in c and m == "step_time" and k == "regression" for c, m, k in names), names
+    assert any("FAULTY" in c and m == "step_time_vs_ddp" and k == "regression" for c, m, k in names), names
     assert not any(c.startswith("tiny-ddp") and k == "regression" for c, _, k in names)
     assert "FAULTY" in md.read_text() and "zbench check" in md.read_text()
 
@@ -173,5 +270,76 @@ def test_history_loader_keys_points_by_commit(three_runs, tmp_path):
 
     series = case_history([RunDir(r.parent, r.name) for r in three_runs])
     slow = next(v for k, v in series.items() if "FAULTY" in k)
-    assert len(slow) == 3 and slow[1].regressed == ["step_time"] and not slow[0].regressed
+    assert len(slow) == 3 and slow[1].regressed == ["step_time_vs_ddp"] and not slow[0].regressed
     assert all(p.label for p in slow)
+
+
+# --- A/B: two checkouts, one job --------------------------------------------------------------------------
+
+
+def copy_checkout(dest, *, slowdown_honoured: bool):
+    """A second checkout of this code (what `git worktree add` gives a PR job); optionally with a faulty
+    plug-in that ignores the slowdown variable: the base of a PR that made FAULTY slower."""
+    import shutil
+
+    from tests.conftest import ROOT
+
+    for name in ("zbench", "implementations"):
+        shutil.copytree(ROOT / name, dest / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "tests" / "plugins", dest / "tests" / "plugins", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (dest / "tests" / "__init__.py").write_text("")
+    faulty = dest / "tests" / "plugins" / "faulty.py"
+    text = faulty.read_text()
+    if not slowdown_honoured:
+        text = text.replace('float(os.environ.get("ZBENCH_TEST_SLOWDOWN_PCT", "0"))', "0.0")
+        assert "0.0 / 100" in text
+    faulty.write_text(text)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def ab_runs(tmp_path_factory):
+    """``zbench ab`` twice: head slowed 2x against an unslowed base, then against an identical base."""
+    tmp = tmp_path_factory.mktemp("ab")
+    (tmp / "gate.yaml").write_text(SUITE)
+    fast_base = copy_checkout(tmp / "fast-base", slowdown_honoured=False)
+    same_base = copy_checkout(tmp / "same-base", slowdown_honoured=True)
+    os.environ["ZBENCH_TEST_SLOWDOWN_PCT"] = "100"
+    try:
+        slowed = zbench(
+            "ab", str(tmp / "gate.yaml"), "--base", str(fast_base), "--rounds", "2", "--results", str(tmp / "r1"),
+            "--json", "--markdown", str(tmp / "comment.md"),
+        )  # fmt: skip
+        same = zbench(
+            "ab", str(tmp / "gate.yaml"), "--base", str(same_base), "--rounds", "1", "--results", str(tmp / "r2")
+        )
+    finally:
+        del os.environ["ZBENCH_TEST_SLOWDOWN_PCT"]
+    return tmp, slowed, same
+
+
+def test_ab_fails_the_slower_head_and_writes_the_comment(ab_runs):
+    tmp, slowed, _ = ab_runs
+    assert slowed.returncode == 1, slowed.stderr[-3000:]
+    out = json.loads(slowed.stdout)
+    (finding,) = [f for f in out["findings"] if f["kind"] == "regression"]
+    assert "FAULTY" in finding["case_id"] and finding["metric"] == "step_time_vs_ddp" and finding["change_pct"] > 25
+    assert out["compared_cases"] == 2 and out["baseline"] == "base" and out["candidate"] == "head"
+    comment = (tmp / "comment.md").read_text()
+    assert comment.startswith("### :x: zbench A/B (base vs head)") and "FAULTY" in comment
+    # rounds alternate: two suite runs per side, each side's under its own directory
+    assert len(list((tmp / "r1" / "base").iterdir())) == 2 and len(list((tmp / "r1" / "head").iterdir())) == 2
+
+
+def test_ab_of_identical_checkouts_passes(ab_runs):
+    _, _, same = ab_runs
+    assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-3000:]
+    assert "PASS: run head vs baseline base" in same.stdout
+
+
+def test_ab_with_a_base_that_is_not_a_checkout_is_bad_input(tmp_path):
+    (tmp_path / "gate.yaml").write_text(SUITE)
+    r = zbench("ab", str(tmp_path / "gate.yaml"), "--base", str(tmp_path))
+    assert r.returncode == 2 and "not a zbench checkout" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -27,6 +27,7 @@ from zbench.record import (
     ModelState,
     NvmlSummary,
     OpVolume,
+    PairedTiming,
     PhaseSummary,
     PhaseTimes,
     StepSample,
@@ -126,9 +127,21 @@ def measured(record: CaseRecord, ranks: list[RankResult]) -> CaseRecord:
                 per_rank=[r.memory for r in ranks],
             ),
             "model_state": model_state(case, ranks),
+            "paired": paired_timing(ranks),
             "comms": comms,
             "phases": phases,
         }
+    )
+
+
+def paired_timing(ranks: list[RankResult]) -> PairedTiming:
+    """Each round's slowest rank, as for the training steps (every rank times the same rounds)."""
+    first = ranks[0].paired
+    if first.skipped or not first.case_s:
+        return first
+    return PairedTiming(
+        case_s=[max(vals) for vals in zip(*(r.paired.case_s for r in ranks), strict=True)],
+        reference_s=[max(vals) for vals in zip(*(r.paired.reference_s for r in ranks), strict=True)],
     )
 
 

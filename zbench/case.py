@@ -60,6 +60,11 @@ class Case(BaseModel):
     """A second DDP run of a case group that splits each rank's batch into twice (or half) as many micro-batches:
     the same training summed in another order. Its distance from the reference is the group's measured noise
     floor, which sets the equivalence bounds (docs/methods.md#equivalence)."""
+    paired_rounds: int = 0
+    """After training, rounds of one step of this case and one of a DDP copy of its model, alternating
+    (``zbench.measure.paired``): the regression gate's samples. Not part of what is trained or compared."""
+    paired_seconds: float = 0.0
+    """...and more rounds until this long has passed: the gate's power on a noisy machine."""
     skip_reason: str | None = None
     capabilities: Capabilities | None = None
     """What the implementation declared when the run resolved it; ``None`` in records from schema 1."""

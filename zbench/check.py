@@ -43,6 +43,8 @@ def run(results: Path, baseline: str, *, time_pct: float | None, memory_pct: flo
 def _value(f: Finding, v: float | str | None) -> str:
     if v is None or isinstance(v, str):
         return str(v)
+    if f.metric == "step_time_vs_ddp":
+        return f"{v:.3f}x DDP"
     return fmt_seconds(v) if f.metric == "step_time" else fmt_bytes(v)
 
 
@@ -53,7 +55,7 @@ def _rows(result: CheckResult) -> list[tuple[str, ...]]:
         p = "" if f.p_value is None else f"p={f.p_value:.1e}"
         rows.append(
             (
-                f.kind.upper() if f.kind != "improvement" else f.kind,
+                f.kind.upper() if f.kind in ("regression", "failure") else f.kind,
                 f.case_id,
                 f.metric,
                 _value(f, f.baseline),
@@ -76,9 +78,13 @@ def headline(result: CheckResult) -> str:
         f"{sum(f.kind == 'regression' for f in result.findings)} regressions, "
         f"{sum(f.kind == 'failure' for f in result.findings)} failures, "
         f"{sum(f.kind == 'improvement' for f in result.findings)} improvements "
-        f"(time > {t.time_pct:g}% and p < {t.p_value:g}; "
+        f"(time relative to DDP in the same run > {t.time_pct:g}% and p < {t.p_value:g}; "
         f"memory > {t.memory_pct:g}% and > {fmt_bytes(t.memory_floor_bytes)})"
     )
+
+
+def environment_text(result: CheckResult) -> str:
+    return "; ".join(f"{name} {a} -> {b}" for name, (a, b) in result.environment_changes.items())
 
 
 def print_text(result: CheckResult, console: Console) -> None:
@@ -91,12 +97,16 @@ def print_text(result: CheckResult, console: Console) -> None:
         console.print(table)
     if result.unmatched:
         console.print(Text(f"not in the baseline (not compared): {', '.join(result.unmatched)}"))
+    if result.environment_changes:
+        console.print(Text(f"environment, baseline -> candidate: {environment_text(result)}"))
     console.print(Text(headline(result), style="red" if result.failed else "green"))
 
 
-def markdown(result: CheckResult) -> str:
+def markdown(result: CheckResult, *, title: str = "zbench check") -> str:
     icon = ":x:" if result.failed else ":white_check_mark:"
-    lines = [f"### {icon} zbench check", "", headline(result), ""]
+    lines = [f"### {icon} {title}", "", headline(result), ""]
+    if result.environment_changes:
+        lines += [f"Environment, baseline -> candidate: {environment_text(result)}", ""]
     if result.findings:
         lines += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         lines += [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 from rich.console import Console
@@ -15,6 +15,9 @@ from rich.text import Text
 import zbench
 from zbench.errors import UsageError
 from zbench.values import Precision
+
+if TYPE_CHECKING:
+    from zbench.regress import CheckResult
 
 app = typer.Typer(
     add_completion=False,
@@ -202,16 +205,70 @@ def check(
     outcome = check_mod.run(
         _results(results_arg, results), baseline, time_pct=time_threshold, memory_pct=memory_threshold
     )
+    _gate_output(outcome, markdown=markdown, as_json=as_json, title="zbench check")
+
+
+def _gate_output(outcome: CheckResult, *, markdown: Path | None, as_json: bool, title: str) -> None:
+    """Print (table or JSON) and append the Markdown verdict; exit 1 when the gate failed."""
+    from zbench import check as check_mod
+
     if markdown is not None:
         markdown.parent.mkdir(parents=True, exist_ok=True)
         with open(markdown, "a") as f:
-            f.write(check_mod.markdown(outcome))
+            f.write(check_mod.markdown(outcome, title=title))
     if as_json:
         print(json.dumps(outcome.as_json(), indent=1))
     else:
         check_mod.print_text(outcome, _stdout())
     if outcome.failed:
         raise typer.Exit(1)
+
+
+@app.command()
+def ab(
+    suite_file: Annotated[Path, typer.Argument(metavar="SUITE", help="Suite YAML file both sides run.")],
+    base: Annotated[
+        Path,
+        typer.Option(
+            help="A checkout of the base revision (e.g. `git worktree add ../base $BASE_SHA`); "
+            "this installation is the head."
+        ),
+    ],
+    rounds: Annotated[int, typer.Option(min=1, help="Interleaved rounds: each runs the suite once per side.")] = 3,
+    results: Annotated[
+        Path, typer.Option(help="Where each side's runs are stored (<results>/base, <results>/head).")
+    ] = Path("results-ab"),
+    as_json: JsonOpt = False,
+    markdown: Annotated[
+        Path | None, typer.Option(help="Also write the Markdown verdict here (e.g. the PR comment's body).")
+    ] = None,
+    time_threshold: Annotated[
+        float | None, typer.Option(help="Minimum growth of step time over DDP's, percent (default: the suite's).")
+    ] = None,
+    memory_threshold: Annotated[
+        float | None, typer.Option(help="Minimum memory growth in percent (default: the suite's, else 2).")
+    ] = None,
+) -> None:
+    """A/B for a pull request: base and head measured on this machine in alternating rounds, head gated on base.
+
+    Each round runs SUITE once with the base checkout's code and once with this one's (the order alternates);
+    each side's rounds are pooled per case and judged as `zbench check` judges two runs (step time relative
+    to DDP in the same run, memory, status, equivalence). Exit 1 when head regressed or a head case failed.
+    """
+    from zbench import ab as ab_mod
+    from zbench import preflight
+    from zbench import suite as suite_mod
+    from zbench.console import Progress
+    from zbench.regress import thresholds_from
+
+    suite = preflight.prepare(suite_mod.read(suite_file))
+    thresholds = thresholds_from(
+        suite.config.regression.model_dump(), time_pct=time_threshold, memory_pct=memory_threshold
+    )
+    outcome = ab_mod.run(
+        suite, base=base, results=results, rounds=rounds, thresholds=thresholds, progress=Progress(quiet=as_json)
+    )
+    _gate_output(outcome, markdown=markdown, as_json=as_json, title="zbench A/B (base vs head)")
 
 
 @app.command()

@@ -52,6 +52,7 @@ def collect() -> dict:
         "platform": platform.platform(),
         "host": socket.gethostname(),
         "cpu_count": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "backends": {
             "gloo": dist.is_gloo_available(),
             "nccl": dist.is_nccl_available(),

@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from zbench.case import Case
-from zbench.record import SCHEMA_VERSION, NvmlSummary, PhaseTimes, RankMemory, StateBytes
+from zbench.record import SCHEMA_VERSION, NvmlSummary, PairedTiming, PhaseTimes, RankMemory, StateBytes
 
 
 class _Message(BaseModel):
@@ -59,6 +59,7 @@ class RankResult(_Message):
     gpu_name: str | None
     parameters: int
     param_checksum: str
+    paired: PairedTiming = PairedTiming(skipped="not measured")
     """Hash of this rank's final full parameters: every rank must hold the same model."""
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zbench.record import CaseRecord
-from zbench.regress import Thresholds, compare_bytes, compare_times, same_suite_and_machine, thresholds_for
+from zbench.regress import Thresholds, case_findings, same_suite_and_machine, thresholds_for
 from zbench.store import RunDir, run_dirs
 
 
@@ -45,13 +45,9 @@ def case_history(runs: list[RunDir], thresholds: Thresholds | None = None) -> di
         for case in run.cases():
             if not case.ok or case.step_time_median_s is None or case.peak_bytes is None:
                 continue
-            regressed = []
             before = previous.get(case.case_id)
-            if before is not None and before.peak_bytes is not None:
-                if compare_times(before.timed_step_times(), case.timed_step_times(), t)[0] == "regression":
-                    regressed.append("step_time")
-                if compare_bytes(before.peak_bytes, case.peak_bytes, t)[0] == "regression":
-                    regressed.append("peak_memory")
+            findings = case_findings(before, case, t) if before is not None else []
+            regressed = [f.metric for f in findings if f.kind == "regression"]
             series.setdefault(case.case_id, []).append(
                 Point(run.run_id, _label(run), case.step_time_median_s, case.peak_bytes, regressed)
             )

@@ -63,8 +63,11 @@ def _env(rank: int, world: int, port: int, device: str = "cpu") -> dict[str, str
     env = dict(os.environ)
     if device == "cpu":
         env = {**CPU_MALLOC_ENV, **env}
-    cwd = os.getcwd()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
+    # The user's PYTHONPATH first (``zbench ab`` puts the base checkout there), then the working directory,
+    # where suites' plug-in implementations usually live; PYTHONSAFEPATH stops ``python -m`` from putting the
+    # working directory ahead of them all (Python >= 3.11; ``zbench ab`` refuses older ones).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), os.getcwd()) if p)
+    env["PYTHONSAFEPATH"] = "1"
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),

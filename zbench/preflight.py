@@ -120,6 +120,8 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
                 nvme_dir=config.nvme_dir,
                 target_loss=config.target_loss,
                 keep_params=config.keep_params,
+                paired_rounds=config.paired_rounds,
+                paired_seconds=config.paired_seconds,
                 activation_checkpointing=checkpointing,
                 capabilities=caps,
             )

@@ -12,6 +12,7 @@ stored schema-1 run in ``tests/fixtures``).
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any, Literal
 
@@ -174,6 +175,26 @@ class TimeToTarget(_Part):
     seconds: float | None = None
 
 
+class PairedTiming(_Part):
+    """Step times of the case and of a DDP copy of its model, taken in alternating rounds after training
+    (``zbench.measure.paired``): the ratio cancels the machine's drift, and the regression gate judges by it."""
+
+    case_s: list[float] = Field(default_factory=list)
+    reference_s: list[float] = Field(default_factory=list)
+    """Round ``i``'s DDP step, taken right before or after the case's step ``i`` (the order alternates)."""
+    skipped: str | None = None
+    """Why no rounds ran (the case is the reference, the suite asked for none, no room for the DDP copy)."""
+
+    @property
+    def ratios(self) -> list[float]:
+        """The case's step over DDP's, round by round."""
+        return [c / r for c, r in zip(self.case_s, self.reference_s, strict=True) if r > 0]
+
+    @property
+    def median_ratio(self) -> float | None:
+        return statistics.median(self.ratios) if self.ratios else None
+
+
 class Check(_Part):
     """One equivalence check: its figure, the bound it must stay within, the measured noise the bound came from."""
 
@@ -276,7 +297,10 @@ class CaseRecord(_Part):
     time_to_target: TimeToTarget | None = None
     equivalence: Equivalence | None = None
     ratio_to_ddp: float | None = None
-    """Median step time over the DDP reference's, same run."""
+    """Step time over DDP's, same run: the median paired ratio when paired rounds ran, else the median step time
+    over the DDP reference case's."""
+    paired: PairedTiming | None = None
+    """Rounds of this case's step and a DDP copy's, alternating: what the regression gate compares."""
     params_file: str | None = None
     """Final parameters (relative to the run directory) while they are kept; see ``Case.keep_params``."""
     param_checksums: list[str] = Field(default_factory=list)

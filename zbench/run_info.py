@@ -23,6 +23,8 @@ class Environment(BaseModel):
     platform: str | None = None
     host: str | None = None
     cpu_count: int | None = None
+    load_average_1m: float | None = None
+    """The machine's one-minute load average when the run started (others' work competes for its cores)."""
     backends: dict[str, bool] = Field(default_factory=dict)
     cuda_available: bool = False
     cuda_version: str | None = None

@@ -235,7 +235,8 @@ def _compare_with_reference(
         return
     ref_median = reference.step_time_median_s
     median = record.step_time_median_s
-    record.ratio_to_ddp = median / ref_median if median and ref_median else None
+    paired_ratio = record.paired.median_ratio if record.paired else None
+    record.ratio_to_ddp = paired_ratio or (median / ref_median if median and ref_median else None)
     record.equivalence = equivalence.verdict(
         record,
         reference,

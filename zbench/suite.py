@@ -95,6 +95,13 @@ class SuiteConfig(_Frozen):
     regression: RegressionConfig = RegressionConfig()
     keep_params: bool = False
     """Keep each case's final-parameter file after its equivalence verdict is stored (default: deleted)."""
+    paired_rounds: int = Field(20, ge=0)
+    """After each case trains, this many rounds of one step of it and one of a DDP copy of its model, alternating:
+    the step-time ratios ``zbench check`` gates on, which cancel the machine's drift (docs/methods.md#regression-gate);
+    0: none, the gate falls back to absolute step times."""
+    paired_seconds: float = Field(0.0, ge=0)
+    """...and more paired rounds until this many seconds have passed (at least ``paired_rounds``): on a loaded
+    CPU machine each ratio is noisy and the gate needs hundreds of rounds to see 10% (docs/methods.md)."""
     noise_twin: bool = True
     """Run each DDP reference twice, the second time with its batch split another way, to measure the noise floor
     the equivalence bounds scale with (docs/methods.md#equivalence); off: fixed bounds."""

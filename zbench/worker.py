@@ -30,12 +30,13 @@ from zbench.measure import comms
 from zbench.measure.bandwidth import probe_bus_bandwidth
 from zbench.measure.memory import peak_memory, reset_peak
 from zbench.measure.nvml import NvmlSampler
+from zbench.measure.paired import time_paired_rounds
 from zbench.measure.phases import PhaseClock, clock_name
 from zbench.measure.timing import timed
 from zbench.models import build_model, checkpoint_blocks, rank_micro_batches, synthetic_batch
 from zbench.presets import GPTConfig, get_config
 from zbench.protocol import Engine, Implementation
-from zbench.record import NvmlSummary, PhaseTimes, RankMemory
+from zbench.record import NvmlSummary, PairedTiming, PhaseTimes, RankMemory
 
 
 def pick_device(case: Case, local_rank: int) -> torch.device:
@@ -119,6 +120,21 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
         nvml = sampler.stop() if sampler else {"available": False, "reason": "CPU run"}
         state = engine.state_bytes()
         params = engine.full_parameters()
+        paired = (
+            time_paired_rounds(
+                case,
+                engine,
+                cfg=cfg,
+                data_cfg=data_cfg,
+                rank=rank,
+                world=world,
+                device=device,
+                swap_dir=task.swap_dir,
+                after_step=comms.take,
+            )
+            if case.paired_rounds
+            else PairedTiming(skipped="the suite asked for no paired rounds")
+        )
     finally:
         engine.close()  # e.g. remove NVMe swap files
     if rank == 0:
@@ -139,6 +155,7 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
         gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         parameters=cfg.num_parameters,
         param_checksum=checksum(params),
+        paired=paired,
     )
 
 

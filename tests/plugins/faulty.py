@@ -5,7 +5,8 @@
 (a classic hook bug: training goes on, quietly wrong); ``crash`` raises on
 rank 1; ``oom`` asks for an impossible allocation; ``hang`` leaves rank 1
 asleep so rank 0 blocks in a collective; ``sigkill`` kills rank 1 by a signal; ``abort_at_exit`` aborts rank 1
-at interpreter exit; ``slow`` sleeps ``$ZBENCH_TEST_SLOWDOWN_S`` seconds per step.
+at interpreter exit; ``slow`` sleeps, after each step, ``$ZBENCH_TEST_SLOWDOWN_PCT`` percent of the time
+the step took (a build that is that much slower, loaded machine or not).
 """
 
 from __future__ import annotations
@@ -72,9 +73,13 @@ class FaultyEngine(DDPEngine):
                 time.sleep(3600)
             if self.fault == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
-        if self.fault == "slow":  # slowed only when the test sets the variable: the same suite, a slower build
-            time.sleep(float(os.environ.get("ZBENCH_TEST_SLOWDOWN_S", "0")))
-        return super().step(micro_batches)
+        if self.fault != "slow":
+            return super().step(micro_batches)
+        # slowed only when the test sets the variable: the same suite, a slower build
+        start = time.perf_counter()
+        loss = super().step(micro_batches)
+        time.sleep((time.perf_counter() - start) * float(os.environ.get("ZBENCH_TEST_SLOWDOWN_PCT", "0")) / 100)
+        return loss
 
 
 class Faulty(ImplementationBase):
