@@ -5,7 +5,7 @@ state; a pull request's question is "is head slower than base *here, now*".
 Both checkouts run the same suite on the same runner in alternating rounds
 (base, head, head, base, ...), so slow changes of the machine hit both sides
 alike; within each run every case's step is also paired with a DDP copy's
-(``zbench.measure.paired``). Each side's rounds are pooled per case and judged
+(``zbench.paired``). Each side's rounds are pooled per case and judged
 with ``zbench.regress`` exactly as ``zbench check`` judges two runs.
 
 The base side's ranks import ``zbench`` (harness and implementations) from

@@ -17,7 +17,7 @@ from zbench.launch import Outcome
 from zbench.measure.comms import theory_elements as comm_theory
 from zbench.measure.flops import derived
 from zbench.measure.timing import summarize
-from zbench.presets import get_config
+from zbench.model_source import model_info
 from zbench.record import (
     CaseRecord,
     CommSummary,
@@ -96,7 +96,7 @@ def measured(record: CaseRecord, ranks: list[RankResult]) -> CaseRecord:
             "param_checksums": [r.param_checksum for r in ranks],
             "throughput": Throughput(
                 **derived(
-                    get_config(case.model),
+                    model_info(case.model),
                     seq=case.seq_len,  # the suite's, which may be shorter than the preset's context
                     tokens_per_step=tokens,
                     step_time_s=median,

@@ -62,7 +62,7 @@ class Case(BaseModel):
     floor, which sets the equivalence bounds (docs/methods.md#equivalence)."""
     paired_rounds: int = 0
     """After training, rounds of one step of this case and one of a DDP copy of its model, alternating
-    (``zbench.measure.paired``): the regression gate's samples. Not part of what is trained or compared."""
+    (``zbench.paired``): the regression gate's samples. Not part of what is trained or compared."""
     paired_seconds: float = 0.0
     """...and more rounds until this long has passed: the gate's power on a noisy machine."""
     skip_reason: str | None = None
@@ -74,7 +74,7 @@ class Case(BaseModel):
         """A readable, filesystem-safe id unique within a run."""
         impl = re.sub(r"[^A-Za-z0-9_.+-]", "_", self.implementation)
         parts = [
-            self.model,
+            re.sub(r"[^A-Za-z0-9_.+-]", "_", self.model),
             impl,
             f"s{self.stage}",
             f"w{self.world_size}",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from zbench.presets import get_config
+from zbench.model_source import model_info
 
 if TYPE_CHECKING:
     from zbench.case import Case
@@ -131,7 +131,7 @@ def placement_for(case: Case) -> dict[str, dict[str, float]]:
     if caps is None:
         raise ValueError(f"case {case.case_id} carries no capabilities (a schema-1 record); nothing to predict")
     return placement(
-        params=get_config(case.model).num_parameters,
+        params=model_info(case.model).parameters,
         world=case.world_size,
         stage=case.stage,
         precision=case.precision,

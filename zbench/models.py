@@ -12,6 +12,7 @@ configurations, importable without torch).
 from __future__ import annotations
 
 from functools import partial
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +91,17 @@ def checkpoint_blocks(model: nn.Module) -> nn.Module:
     return model
 
 
-def synthetic_batch(cfg: GPTConfig, *, seed: int, step: int, rows: int, seq: int | None = None) -> torch.Tensor:
+class DataShape(Protocol):
+    """What the synthetic data depends on: a preset's ``GPTConfig`` or a user model's ``ModelInfo``."""
+
+    @property
+    def vocab(self) -> int: ...
+
+    @property
+    def seq(self) -> int: ...
+
+
+def synthetic_batch(cfg: DataShape, *, seed: int, step: int, rows: int, seq: int | None = None) -> torch.Tensor:
     """The global batch of ``step``: ``rows`` sequences of ``seq + 1`` tokens, the same for every implementation.
 
     Tokens follow a fixed random successor table most of the time, so the loss

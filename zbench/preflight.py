@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from zbench import nvme, registry
 from zbench.case import REFERENCE, Case
 from zbench.errors import UsageError
-from zbench.presets import get_config
+from zbench.model_source import ModelSourceError, model_info
 from zbench.protocol import Implementation
 from zbench.suite import ImplementationEntry, SuiteConfig, SuiteFile
 from zbench.values import DeviceKind
@@ -82,6 +82,22 @@ def resolve_implementations(names: list[str], source: str) -> dict[str, Implemen
     return resolved
 
 
+def check_models(config: SuiteConfig, source: str) -> None:
+    """Import every model builder and measure its model on the meta device (the suite parser only checked names)."""
+    for model in config.models:
+        try:
+            info = model_info(model)
+        except ModelSourceError as exc:
+            raise UsageError(f"{source}: models: {exc}") from None
+        if config.seq_len is not None and config.seq_len > info.seq:
+            raise UsageError(f"{source}: seq_len {config.seq_len} exceeds model {model!r}'s max_seq_len {info.seq}")
+        if True in config.activation_checkpointing and info.gpt is None and not info.has_blocks:
+            raise UsageError(
+                f"{source}: activation_checkpointing: model {model!r} has no .blocks to checkpoint "
+                "(docs/methods.md#models-users-bring)"
+            )
+
+
 def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str, Implementation]) -> list[Case]:
     """The cartesian product of the suite's axes as cases, DDP first in each group, unsupported ones skipped."""
     cases = []
@@ -108,7 +124,7 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
                 warmup_steps=config.warmup_steps,
                 micro_batch=config.micro_batch,
                 grad_accum=config.grad_accum,
-                seq_len=config.seq_len or get_config(model).seq,
+                seq_len=config.seq_len or model_info(model).seq,
                 seed=config.seed,
                 timeout_s=config.timeout_s,
                 optimizer=config.optimizer.name,
@@ -148,6 +164,7 @@ def prepare(suite: SuiteFile) -> Suite:
     device = resolve_device(config.device)
     check_world_sizes(device, config.world_sizes, source)
     implementations = resolve_implementations([e.name for e in entries_with_reference(config)], source)
+    check_models(config, source)
     cases = tuple(expand(config, device=device, implementations=implementations))
     nvme.check_suite(cases, config.nvme_dir)
     return Suite(path=suite.path, sha256=suite.sha256, config=config, cases=cases)

@@ -177,7 +177,7 @@ class TimeToTarget(_Part):
 
 class PairedTiming(_Part):
     """Step times of the case and of a DDP copy of its model, taken in alternating rounds after training
-    (``zbench.measure.paired``): the ratio cancels the machine's drift, and the regression gate judges by it."""
+    (``zbench.paired``): the ratio cancels the machine's drift, and the regression gate judges by it."""
 
     case_s: list[float] = Field(default_factory=list)
     reference_s: list[float] = Field(default_factory=list)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-
 from zbench.implementations import BUILTIN
 from zbench.protocol import Implementation
+from zbench.user_import import import_user_module
 
 
 def is_import_path(name: str) -> bool:
@@ -25,7 +24,7 @@ def resolve(name: str) -> Implementation:
         )
     module_name, _, attr = target.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = import_user_module(module_name)
         obj = getattr(module, attr)
     except (ImportError, AttributeError) as exc:
         raise LookupError(f"cannot import implementation {name!r} ({target}): {exc}") from None

@@ -3,7 +3,7 @@
 A machine's speed drifts between runs (other jobs, a shared CI runner: an
 unchanged rerun once measured +72%), so an implementation is judged by its step
 time *relative to DDP's*, measured in the same run: the paired rounds of
-``zbench.measure.paired`` time one step of the case and one of a DDP copy of its
+``zbench.paired`` time one step of the case and one of a DDP copy of its
 model back to back, and the gate compares the per-round ratios of the two runs.
 The DDP reference's own absolute time is the machine's drift: it is reported
 (``drift``), never gated. Cases without paired rounds fall back to absolute

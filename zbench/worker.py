@@ -8,7 +8,6 @@ set. It reads its ``WorkerTask`` from WORKDIR and hands back a ``RankResult``
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import faulthandler
 import hashlib
@@ -30,11 +29,11 @@ from zbench.measure import comms
 from zbench.measure.bandwidth import probe_bus_bandwidth
 from zbench.measure.memory import peak_memory, reset_peak
 from zbench.measure.nvml import NvmlSampler
-from zbench.measure.paired import time_paired_rounds
 from zbench.measure.phases import PhaseClock, clock_name
 from zbench.measure.timing import timed
-from zbench.models import build_model, checkpoint_blocks, rank_micro_batches, synthetic_batch
-from zbench.presets import GPTConfig, get_config
+from zbench.model_source import ModelInfo, build, model_info
+from zbench.models import checkpoint_blocks, rank_micro_batches, synthetic_batch
+from zbench.paired import time_paired_rounds
 from zbench.protocol import Engine, Implementation
 from zbench.record import NvmlSummary, PairedTiming, PhaseTimes, RankMemory
 
@@ -55,12 +54,13 @@ def nvml_index(device: torch.device) -> int:
     return device.index
 
 
-def expected_comm_elements(implementation: Implementation, cfg: GPTConfig, world: int, stage: int) -> int:
-    """The implementation's own account of its traffic when it declares one, else the ZeRO formula."""
+def expected_comm_elements(implementation: Implementation, info: ModelInfo, world: int, stage: int) -> int:
+    """The implementation's own account of its traffic when it declares one (for a preset, whose layout it
+    knows), else the ZeRO formula."""
     if world == 1:
         return 0  # one rank has nothing to exchange (implementations may still call collectives: DDP does)
-    declared = implementation.expected_comm_elements(cfg, world)
-    return int(declared) if declared is not None else comms.theory_elements(cfg.num_parameters, stage)
+    declared = implementation.expected_comm_elements(info.gpt, world) if info.gpt is not None else None
+    return int(declared) if declared is not None else comms.theory_elements(info.parameters, stage)
 
 
 def check_engine(engine: object, name: str) -> Engine:
@@ -76,10 +76,9 @@ def check_engine(engine: object, name: str) -> Engine:
 
 def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: torch.device) -> RankResult:
     case = task.case
-    cfg = get_config(case.model)
-    data_cfg = dataclasses.replace(cfg, seq=case.seq_len)
+    info = model_info(case.model)
     implementation = registry.resolve(case.implementation)
-    model = build_model(case.model, seed=case.seed, device=device)
+    model = build(case.model, seed=case.seed, device=device)
     if case.activation_checkpointing:
         checkpoint_blocks(model)
     engine = check_engine(
@@ -98,7 +97,7 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
     reset_peak(device)
     try:
         for step in range(case.steps):
-            batch = synthetic_batch(data_cfg, seed=case.seed, step=step, rows=rows)
+            batch = synthetic_batch(info, seed=case.seed, step=step, rows=rows, seq=case.seq_len)
             micro_batches = rank_micro_batches(
                 batch, rank=rank, world=world, grad_accum=case.micro_batches_per_step, device=device
             )
@@ -124,8 +123,7 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
             time_paired_rounds(
                 case,
                 engine,
-                cfg=cfg,
-                data_cfg=data_cfg,
+                info=info,
                 rank=rank,
                 world=world,
                 device=device,
@@ -148,12 +146,12 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
         phases=phases,
         clock=clock_name(device),
         bus_bandwidth_bytes_per_s=bandwidth,
-        expected_comm_elements=expected_comm_elements(implementation, cfg, world, case.stage),
+        expected_comm_elements=expected_comm_elements(implementation, info, world, case.stage),
         memory=RankMemory(**memory),
         state_bytes=state,
         nvml=NvmlSummary(**nvml),
         gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        parameters=cfg.num_parameters,
+        parameters=info.parameters,
         param_checksum=checksum(params),
         paired=paired,
     )

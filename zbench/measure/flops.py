@@ -12,8 +12,7 @@ On a CPU there is no meaningful peak: MFU is left out and only TFLOP/s is given.
 from __future__ import annotations
 
 import os
-
-from zbench.presets import GPTConfig
+from typing import Protocol
 
 #: name fragment -> (dense bf16/fp16 tensor-core TFLOP/s, FP32 TFLOP/s); SXM figures for H100/H200/A100
 PEAK_TFLOPS = {
@@ -39,8 +38,14 @@ def peak_tflops(gpu_name: str | None, precision: str) -> float | None:
     return None
 
 
+class FlopsCounter(Protocol):
+    """A preset's ``GPTConfig`` or a user model's ``ModelInfo``: what one token of training costs."""
+
+    def flops_per_token(self, seq: int | None = None) -> float: ...
+
+
 def derived(
-    cfg: GPTConfig,
+    cfg: FlopsCounter,
     *,
     seq: int,
     tokens_per_step: int,

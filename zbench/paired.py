@@ -30,8 +30,8 @@ from zbench import registry
 from zbench.case import REFERENCE, Case
 from zbench.formulas import expected_state_bytes
 from zbench.measure.timing import timed
-from zbench.models import build_model, checkpoint_blocks, rank_micro_batches, synthetic_batch
-from zbench.presets import GPTConfig
+from zbench.model_source import ModelInfo, build
+from zbench.models import checkpoint_blocks, rank_micro_batches, synthetic_batch
 from zbench.protocol import Engine
 from zbench.record import PairedTiming
 
@@ -86,8 +86,7 @@ def time_paired_rounds(
     case: Case,
     engine: Engine,
     *,
-    cfg: GPTConfig,
-    data_cfg: GPTConfig,
+    info: ModelInfo,
     rank: int,
     world: int,
     device: torch.device,
@@ -98,10 +97,10 @@ def time_paired_rounds(
     ``case.paired_rounds``, and more until ``case.paired_seconds`` have passed (at most ``MAX_ROUNDS``)."""
     if case.is_reference or case.noise_twin:
         return PairedTiming(skipped="the reference itself")
-    need = reference_need_bytes(case, cfg.num_parameters)
+    need = reference_need_bytes(case, info.parameters)
     if not every_rank_has_room(need, device):
         return PairedTiming(skipped=f"a rank had less than {need / 2**30:.2f} GiB free for the DDP copy")
-    model = build_model(case.model, seed=case.seed, device=device)
+    model = build(case.model, seed=case.seed, device=device)
     if case.activation_checkpointing:
         checkpoint_blocks(model)
     reference_case = case.model_copy(update={"implementation": REFERENCE, "stage": 0, "offload": "none", "options": {}})
@@ -118,7 +117,7 @@ def time_paired_rounds(
                 time.perf_counter() - started < case.paired_seconds, device
             ):
                 break
-            batch = synthetic_batch(data_cfg, seed=case.seed, step=case.steps + i, rows=rows)
+            batch = synthetic_batch(info, seed=case.seed, step=case.steps + i, rows=rows, seq=case.seq_len)
             micro_batches = rank_micro_batches(
                 batch, rank=rank, world=world, grad_accum=case.micro_batches_per_step, device=device
             )
