@@ -23,9 +23,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
 from zbench.presets import PRESETS, GPTConfig
 from zbench.user_import import import_user_module
+
+if TYPE_CHECKING:  # torch is imported lazily: the suite parser uses this module without it
+    import torch
+    from torch import nn
 
 
 class ModelSourceError(ValueError):
@@ -70,7 +75,7 @@ def load_builder(path: str) -> Callable[[int], object]:
     return builder
 
 
-def build_user_model(path: str, *, seed: int, device: object = "cpu"):  # -> nn.Module
+def build_user_model(path: str, *, seed: int, device: torch.device | str = "cpu") -> nn.Module:
     """Call the builder with torch's CPU generator seeded, on the CPU (or ``meta``), and check what it returns."""
     import torch
     from torch import nn
@@ -88,6 +93,14 @@ def build_user_model(path: str, *, seed: int, device: object = "cpu"):  # -> nn.
                 f"model {path!r}: the module has no int {attr!r} (the data it needs; see docs/methods.md)"
             )
     return model if str(device) == "meta" else model.to(device)
+
+
+def _declared_int(model: nn.Module, attr: str) -> int:
+    """An int the module declares about its data (checked by ``build_user_model``)."""
+    value = getattr(model, attr, None)
+    if not isinstance(value, int):
+        raise ModelSourceError(f"model attribute {attr!r} is not an int")
+    return value
 
 
 @cache
@@ -112,17 +125,17 @@ def model_info(name: str) -> ModelInfo:
     return ModelInfo(
         name,
         sum(p.numel() for p in unique.values()),
-        int(model.vocab_size),
-        int(model.max_seq_len),
+        _declared_int(model, "vocab_size"),
+        _declared_int(model, "max_seq_len"),
         gpt=None,
         has_blocks=isinstance(getattr(model, "blocks", None), torch.nn.ModuleList),
     )
 
 
-def build(name: str, *, seed: int, device: object = "cpu"):  # -> nn.Module
+def build(name: str, *, seed: int, device: torch.device | str = "cpu") -> nn.Module:
     """The model every implementation of a case starts from, identical on every rank."""
     if is_builder_path(name):
         return build_user_model(name, seed=seed, device=device)
     from zbench.models import build_model
 
-    return build_model(name, seed=seed, device=device)  # type: ignore[arg-type]
+    return build_model(name, seed=seed, device=device)
