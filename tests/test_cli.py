@@ -24,7 +24,7 @@ device: cpu
 models: tiny
 implementations: [ddp, torch_zero]
 world_sizes: 1
-steps: 12
+steps: 40
 warmup_steps: 2
 """
 
@@ -67,8 +67,10 @@ def test_results_from_the_environment_and_params_kept(env_run):
 
 def test_heartbeat_off_a_terminal(env_run):
     proc, _ = env_run
-    beats = [line for line in proc.stderr.splitlines() if line.startswith("[1/3] tiny-ddp") and ": step " in line]
-    assert beats, proc.stderr  # e.g. "[1/3] tiny-ddp-s0-w1-fp32-none: step 7/12, 3 s" (DDP, its noise twin, torch_zero)
+    # e.g. "[1/3] tiny-ddp-s0-w1-fp32-none: step 7/40, 3 s" (DDP, its noise twin, torch_zero); a quiet machine
+    # trains tiny's 40 steps in ~0.4 s, two heartbeats, and torch_zero's paired rounds add more after its last step
+    beats = [line for line in proc.stderr.splitlines() if line.startswith("[") and ": step " in line]
+    assert beats, proc.stderr
     assert all(line.rstrip().endswith(" s") for line in beats)
 
 

@@ -74,6 +74,22 @@ def test_memory_thresholds():
 CASE = make_case()
 
 
+def test_peak_rss_noise_is_not_a_memory_regression_but_rss_growth_and_device_growth_are():
+    """An unchanged CPU rerun's peak RSS moved +8.6 MB (2.6%) on tiny; device peaks repeat to the byte."""
+    from zbench.regress import case_findings
+
+    base = record(CASE, times=[0.1] * 10, peak=345_817_088)
+    noisy = record(CASE, times=[0.1] * 10, peak=354_811_904)
+    assert case_findings(base, noisy, T) == []
+    grown = record(CASE, times=[0.1] * 10, peak=345_817_088 + (48 << 20))
+    assert [f.metric for f in case_findings(base, grown, T)] == ["peak_memory"]
+    on_gpu = [
+        r.model_copy(update={"memory": MemorySummary(kind="cuda_allocated", peak_bytes=r.peak_bytes)})
+        for r in (base, noisy)
+    ]
+    assert [f.metric for f in case_findings(*on_gpu, T)] == ["peak_memory"]
+
+
 def record(case, *, times, paired=None, peak=2**30, equivalent=True, status="ok") -> CaseRecord:
     steps = [StepSample(step=i, loss=1.0, step_time_s=t, warmup=False) for i, t in enumerate(times)]
     state = {c: {loc: 0 for loc in LOCATIONS} for c in CATEGORIES}

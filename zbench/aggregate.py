@@ -136,9 +136,11 @@ def measured(record: CaseRecord, ranks: list[RankResult]) -> CaseRecord:
 
 def paired_timing(ranks: list[RankResult]) -> PairedTiming:
     """Each round's slowest rank, as for the training steps (every rank times the same rounds)."""
-    first = ranks[0].paired
-    if first.skipped or not first.case_s:
-        return first
+    skipped = next((r.paired for r in ranks if r.paired.skipped or not r.paired.case_s), None)
+    if skipped is not None:
+        return skipped
+    if len({len(r.paired.case_s) for r in ranks}) > 1:
+        return PairedTiming(skipped="the ranks timed different numbers of paired rounds")
     return PairedTiming(
         case_s=[max(vals) for vals in zip(*(r.paired.case_s for r in ranks), strict=True)],
         reference_s=[max(vals) for vals in zip(*(r.paired.reference_s for r in ranks), strict=True)],

@@ -100,6 +100,25 @@ def time_paired_rounds(
     need = reference_need_bytes(case, info.parameters)
     if not every_rank_has_room(need, device):
         return PairedTiming(skipped=f"a rank had less than {need / 2**30:.2f} GiB free for the DDP copy")
+    try:
+        return _rounds(
+            case, engine, info=info, rank=rank, world=world, device=device, swap_dir=swap_dir, after_step=after_step
+        )
+    except Exception as exc:  # the case's own results stand; a failing peer surfaces here as a broken connection
+        return PairedTiming(skipped=f"the paired rounds failed: {type(exc).__name__}: {exc}"[:500])
+
+
+def _rounds(
+    case: Case,
+    engine: Engine,
+    *,
+    info: ModelInfo,
+    rank: int,
+    world: int,
+    device: torch.device,
+    swap_dir: str | None,
+    after_step: Callable[[], Any],
+) -> PairedTiming:
     model = build(case.model, seed=case.seed, device=device)
     if case.activation_checkpointing:
         checkpoint_blocks(model)

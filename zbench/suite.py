@@ -52,6 +52,7 @@ class RegressionConfig(_Frozen):
     time_pct: float = Field(5.0, gt=0)
     memory_pct: float = Field(2.0, gt=0)
     memory_floor_bytes: int = Field(1 << 20, ge=0)
+    rss_floor_bytes: int = Field(32 << 20, ge=0)
     p_value: float = Field(0.01, gt=0, lt=1)
 
 

@@ -17,6 +17,7 @@ import sys
 import traceback
 from functools import partial
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -187,6 +188,21 @@ def die_with_parent() -> None:
             os._exit(1)
 
 
+def exit_without_teardown() -> NoReturn:
+    """Leave once the results are on disk and the process group is gone, skipping interpreter teardown.
+
+    Note: a rank sometimes died with SIGABRT ("terminate called without an active exception", a C++
+    ``std::thread`` destroyed while still joinable) after writing its results: in 1 of 12 short world-3
+    runs of the engine as it was when its gloo all-gather was one async broadcast per rank
+    (docs/methods.md#shutdown). The abort comes from the static destructors that run at exit, after
+    ``destroy_process_group``; nothing a rank still has to do needs them, so it exits the way a forked
+    child does (``os._exit``), after flushing its output.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main(argv: list[str]) -> int:
     die_with_parent()
     comms.install()
@@ -222,7 +238,7 @@ def main(argv: list[str]) -> int:
         os._exit(3)
     atomic_write_json(files.result(rank), result.model_dump(mode="json"))
     dist.destroy_process_group()
-    return 0
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
