@@ -1,6 +1,6 @@
 """Does the regression gate hold on a loaded machine? Real runs, real load, both gates counted.
 
-One baseline run of a small CPU suite (DDP, zero2, torch_zero and the ``slow`` test plug-in,
+One baseline run of a small CPU suite (DDP, zero2 and the ``slow`` test plug-in,
 which runs DDP's code), then ``--reruns`` unchanged reruns and as many reruns with the plug-in
 slowed by ``--slowdown`` percent, alternating, while a load switcher beside them turns zero, one
 or two busy processes on and off every few seconds (a random schedule, seeded). Every rerun is
@@ -50,7 +50,7 @@ precisions: fp32
 steps: 12
 warmup_steps: 2
 noise_twin: false
-implementations: [ddp, zero2, torch_zero, {{name: "tests.plugins.faulty:FAULTY", options: {{fault: slow}}}}]
+implementations: [ddp, zero2, {{name: "tests.plugins.faulty:FAULTY", options: {{fault: slow}}}}]
 paired_rounds: 20
 paired_seconds: {paired_seconds}
 timeout_s: 300
