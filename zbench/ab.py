@@ -98,7 +98,7 @@ def _timed(records: list[CaseRecord]) -> list[float]:
 def verdict(runs: dict[str, list[RunDir]], thresholds: Thresholds, *, base_sha: str | None) -> CheckResult:
     """Head's pooled cases against base's, as ``zbench check`` judges a candidate against a baseline."""
     by_side = {side: _records_by_case(runs[side]) for side in SIDES}
-    result = CheckResult(candidate="head", baseline="base", thresholds=thresholds)
+    result = CheckResult(candidate="head", baselines=["base"], thresholds=thresholds)
     result.environment_changes = {"code": (base_sha, git_sha())}
     for case_id, head_records in by_side["head"].items():
         base = pooled(by_side["base"][case_id]) if case_id in by_side["base"] else None
@@ -108,7 +108,7 @@ def verdict(runs: dict[str, list[RunDir]], thresholds: Thresholds, *, base_sha: 
             result.unmatched.append(f"{case_id} (base {base.status}: {base.error or 'no error recorded'})")
         else:
             result.compared += 1
-        comparable = base if base is not None and base.ok else None
+        comparable = [base] if base is not None and base.ok else []
         result.findings += case_findings(comparable, pooled(head_records), thresholds)
     return result
 

@@ -179,12 +179,20 @@ def check(
     results_arg: ResultsArg = None,
     results: ResultsOpt = None,
     baseline: Annotated[
-        str,
+        list[str] | None,
         typer.Option(
-            help="'latest' (the newest earlier run of the same suite on this machine), "
-            "or a run directory, or a results directory (its newest run)."
+            help="'latest' (default: the newest earlier runs of the same suite on this machine), or a run "
+            "directory, or a results directory (its newest runs of the suite); repeat to pool several."
         ),
-    ] = "latest",
+    ] = None,
+    baseline_runs: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="How many earlier runs make the baseline (default: the suite's, else 5). With 3 or more, how far "
+            "their medians spread widens each case's time allowance: the load's effect on that engine.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     markdown: Annotated[
         Path | None, typer.Option(help="Also write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY).")
@@ -203,7 +211,11 @@ def check(
     from zbench import check as check_mod
 
     outcome = check_mod.run(
-        _results(results_arg, results), baseline, time_pct=time_threshold, memory_pct=memory_threshold
+        _results(results_arg, results),
+        baseline or [],
+        time_pct=time_threshold,
+        memory_pct=memory_threshold,
+        baseline_runs=baseline_runs,
     )
     _gate_output(outcome, markdown=markdown, as_json=as_json, title="zbench check")
 

@@ -46,7 +46,7 @@ def case_history(runs: list[RunDir], thresholds: Thresholds | None = None) -> di
             if not case.ok or case.step_time_median_s is None or case.peak_bytes is None:
                 continue
             before = previous.get(case.case_id)
-            findings = case_findings(before, case, t) if before is not None else []
+            findings = case_findings([before], case, t) if before is not None else []
             regressed = [f.metric for f in findings if f.kind == "regression"]
             series.setdefault(case.case_id, []).append(
                 Point(run.run_id, _label(run), case.step_time_median_s, case.peak_bytes, regressed)

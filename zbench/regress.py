@@ -9,9 +9,15 @@ The DDP reference's own absolute time is the machine's drift: it is reported
 (``drift``), never gated. Cases without paired rounds fall back to absolute
 step times and say so.
 
+The ratio still moves with the load for engines whose communication differs
+from DDP's (zero2's grew ~10% beside busy processes on a 2-core machine), so
+the baseline is several earlier runs, not one: how far their medians stray from
+each other is noise that no round-level test sees, and it widens that case's
+allowance (``spread_factor`` times the largest stray, at least ``time_pct``).
+
 Either way a time regression needs both a minimum effect (the median grew by
-more than ``time_pct``) and significance on the samples (two-sided
-Mann-Whitney U, p < ``p_value``). A memory regression needs growth above
+more than the allowance) and significance on the samples (two-sided
+Mann-Whitney U against the baseline runs' pooled samples, p < ``p_value``). A memory regression needs growth above
 ``memory_pct`` and above an absolute floor. A case that stops being ``ok`` or
 stops training like DDP always fails the gate. Improvements are reported the
 same way. Every finding comes with what differs between the two runs'
@@ -49,6 +55,11 @@ class Thresholds:
     in one such pair), where device allocator peaks and model-state bytes repeat to the byte."""
     p_value: float = 0.01
     """Significance level of the Mann-Whitney U test on per-step times."""
+    baseline_runs: int = 5
+    """How many earlier runs of the suite on the machine make the baseline (``--baseline latest``)."""
+    spread_factor: float = 2.0
+    """With 3 or more baseline runs, a case's time allowance is at least this times the largest relative
+    distance of one baseline run's median from the baseline's median (the load's effect on that engine)."""
 
 
 @dataclass
@@ -66,13 +77,15 @@ class Finding:
 @dataclass
 class CheckResult:
     candidate: str
-    baseline: str
+    baselines: list[str]
     thresholds: Thresholds
     findings: list[Finding] = field(default_factory=list)
     compared: int = 0
     unmatched: list[str] = field(default_factory=list)
     environment_changes: dict[str, tuple[object, object]] = field(default_factory=dict)
     """``{field: (baseline, candidate)}`` for every environment field that differs between the two runs."""
+    time_allowance_pct: dict[str, float] = field(default_factory=dict)
+    """Per compared case, the step-time growth the gate lets pass: the smallest slowdown it can see there."""
 
     @property
     def failed(self) -> list[Finding]:
@@ -87,11 +100,12 @@ class CheckResult:
         return {
             "verdict": self.verdict,
             "candidate": self.candidate,
-            "baseline": self.baseline,
+            "baselines": self.baselines,
             "thresholds": asdict(self.thresholds),
             "compared_cases": self.compared,
             "unmatched_cases": self.unmatched,
             "environment_changes": {k: list(v) for k, v in self.environment_changes.items()},
+            "time_allowance_pct": self.time_allowance_pct,
             "findings": [asdict(f) for f in self.findings],
         }
 
@@ -103,15 +117,59 @@ def machine_fingerprint(info: RunInfo) -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
-def compare_times(base: list[float], cand: list[float], t: Thresholds) -> tuple[str | None, float, float]:
-    """(``regression``/``improvement``/``None``, change in percent of the median, p-value)."""
-    change = (statistics.median(cand) / statistics.median(base) - 1) * 100
+def compare_times(
+    base: list[float], cand: list[float], t: Thresholds, *, center: float | None = None, allowance_pct: float = 0.0
+) -> tuple[str | None, float, float]:
+    """(``regression``/``improvement``/``None``, change in percent of the median, p-value).
+
+    ``center`` is the baseline's median (default: of ``base``; a pooled baseline passes the median of its runs'
+    medians); the change must exceed ``allowance_pct`` or ``time_pct``, whichever is larger."""
+    center = statistics.median(base) if center is None else center
+    change = (statistics.median(cand) / center - 1) * 100
     p = float(mannwhitneyu(base, cand, alternative="two-sided").pvalue) if len(base) > 1 and len(cand) > 1 else 1.0
-    if p < t.p_value and change > t.time_pct:
+    allowance = max(t.time_pct, allowance_pct)
+    if p < t.p_value and change > allowance:
         return "regression", change, p
-    if p < t.p_value and change < -t.time_pct:
+    if p < t.p_value and change < -allowance:
         return "improvement", change, p
     return None, change, p
+
+
+@dataclass(frozen=True)
+class RunSpread:
+    """One case's samples over several baseline runs: the pooled samples, their center and the between-run stray."""
+
+    pooled: list[float]
+    center: float
+    """The median of the runs' medians."""
+    stray_pct: float | None
+    """The largest distance of one run's median from ``center``, in percent; ``None`` with fewer than 3 runs."""
+    runs: int
+
+    @classmethod
+    def of(cls, per_run: list[list[float]]) -> RunSpread:
+        medians = [statistics.median(samples) for samples in per_run]
+        center = statistics.median(medians)
+        stray = max(abs(m / center - 1) * 100 for m in medians) if len(medians) >= 3 else None
+        return cls([x for samples in per_run for x in samples], center, stray, len(medians))
+
+    def allowance_pct(self, t: Thresholds) -> float:
+        return max(t.time_pct, t.spread_factor * self.stray_pct) if self.stray_pct is not None else t.time_pct
+
+    def describe(self, t: Thresholds) -> str:
+        if self.stray_pct is None:
+            return f"{self.runs} baseline run{'s' * (self.runs > 1)}: between-run spread unknown (needs 3)"
+        return (
+            f"{self.runs} baseline runs, medians within {self.stray_pct:.1f}% of theirs: "
+            f"allowance {self.allowance_pct(t):.1f}%"
+        )
+
+
+def judge_times(per_run: list[list[float]], cand: list[float], t: Thresholds) -> tuple[str | None, float, float, str]:
+    """``compare_times`` against several baseline runs' samples, plus a sentence on the allowance used."""
+    spread = RunSpread.of(per_run)
+    kind, change, p = compare_times(spread.pooled, cand, t, center=spread.center, allowance_pct=spread.allowance_pct(t))
+    return kind, change, p, spread.describe(t)
 
 
 def compare_bytes(base: float, cand: float, t: Thresholds, *, floor: int | None = None) -> tuple[str | None, float]:
@@ -121,15 +179,12 @@ def compare_bytes(base: float, cand: float, t: Thresholds, *, floor: int | None 
     return ("regression" if cand > base else "improvement"), change
 
 
-def case_findings(base: CaseRecord | None, cand: CaseRecord, t: Thresholds) -> list[Finding]:
-    """What changed for one case; ``base`` is ``None`` when the baseline does not have it."""
+def case_findings(bases: list[CaseRecord], cand: CaseRecord, t: Thresholds) -> list[Finding]:
+    """What changed for one case against its baseline runs, newest first (empty: the baseline lacks the case)."""
     case_id = cand.case_id
     if not cand.ok:
-        return [
-            Finding(
-                case_id, "status", "failure", base.status if base else "absent", cand.status, detail=cand.error or ""
-            )
-        ]
+        status = bases[0].status if bases else "absent"
+        return [Finding(case_id, "status", "failure", status, cand.status, detail=cand.error or "")]
     if not cand.equivalent:
         return [
             Finding(
@@ -141,18 +196,20 @@ def case_findings(base: CaseRecord | None, cand: CaseRecord, t: Thresholds) -> l
                 detail=cand.equivalence.reason or "" if cand.equivalence else "not checked",
             )
         ]
-    if base is None or not base.ok:
+    bases = [b for b in bases if b.ok]
+    if not bases:
         return []
-    out = [f for f in [_time_finding(base, cand, t)] if f is not None]
-    rss = "rss" in (base.memory.kind if base.memory else "", cand.memory.kind if cand.memory else "")
+    out = [f for f in [_time_finding(bases, cand, t)] if f is not None]
+    newest = bases[0]  # memory does not drift with load: the newest baseline run is the reference
+    rss = "rss" in (newest.memory.kind if newest.memory else "", cand.memory.kind if cand.memory else "")
     for metric, before, after, floor in (
         (
             "peak_memory",
-            base.peak_bytes,
+            newest.peak_bytes,
             cand.peak_bytes,
             max(t.memory_floor_bytes, t.rss_floor_bytes) if rss else None,
         ),
-        ("model_state", base.model_state_bytes, cand.model_state_bytes, None),
+        ("model_state", newest.model_state_bytes, cand.model_state_bytes, None),
     ):
         if before is None or after is None:
             continue
@@ -166,53 +223,79 @@ def _paired_ratios(record: CaseRecord) -> list[float]:
     return record.paired.ratios if record.paired else []
 
 
-def _time_finding(base: CaseRecord, cand: CaseRecord, t: Thresholds) -> Finding | None:
+@dataclass(frozen=True)
+class TimeSamples:
+    """What a case's time is judged on: per baseline run and for the candidate, the paired ratios when both
+    sides have them (``paired``), else the absolute step times."""
+
+    per_run: list[list[float]]
+    candidate: list[float]
+    paired: bool
+
+
+def time_samples(bases: list[CaseRecord], cand: CaseRecord) -> TimeSamples | None:
+    """The samples to judge ``cand`` on; ``None`` when a side has none."""
+    before = [r for r in (_paired_ratios(b) for b in bases) if r]
+    if before and _paired_ratios(cand):
+        return TimeSamples(before, _paired_ratios(cand), paired=True)
+    times = [b.timed_step_times() for b in bases if b.timed_step_times()]
+    return TimeSamples(times, cand.timed_step_times(), paired=False) if times and cand.timed_step_times() else None
+
+
+def _time_finding(bases: list[CaseRecord], cand: CaseRecord, t: Thresholds) -> Finding | None:
     """The reference's drift, a paired ratio's change, or (without paired rounds) the absolute step time's."""
-    case_id, config = cand.case_id, cand.config
-    absolute = compare_times(base.timed_step_times(), cand.timed_step_times(), t)
-    if config.implementation == REFERENCE:
-        if config.noise_twin or absolute[0] is None:
+    samples = time_samples(bases, cand)
+    if samples is None:
+        return None
+    per_run, after = samples.per_run, samples.candidate
+    kind, change, p, allowance = judge_times(per_run, after, t)
+    base_value = statistics.median(statistics.median(x) for x in per_run)
+    if cand.config.implementation == REFERENCE:
+        if cand.config.noise_twin or kind is None:
             return None
         return Finding(
-            case_id,
+            cand.case_id,
             "step_time",
             "drift",
-            base.step_time_median_s,
+            base_value,
             cand.step_time_median_s,
-            absolute[1],
-            absolute[2],
+            change,
+            p,
             detail="DDP's own step time: the machine's drift between the runs (reported, not gated); "
             "the other cases are judged relative to it",
         )
-    before, after = _paired_ratios(base), _paired_ratios(cand)
-    if before and after:
-        kind, change, p = compare_times(before, after, t)
-        if kind is None:
-            return None
+    if kind is None:
+        return None
+    if samples.paired:
+        absolute = judge_times(
+            [b.timed_step_times() for b in bases if b.timed_step_times()], cand.timed_step_times(), t
+        )
         return Finding(
-            case_id,
+            cand.case_id,
             "step_time_vs_ddp",
             kind,
-            statistics.median(before),
+            base_value,
             statistics.median(after),
             change,
             p,
-            detail=f"step time over DDP's, {len(before)} and {len(after)} paired rounds; "
+            detail=f"step time over DDP's, {sum(map(len, per_run))} and {len(after)} paired rounds; {allowance}; "
             f"absolute median {absolute[1]:+.1f}%",
         )
-    kind, change, p = absolute
-    if kind is None:
-        return None
-    missing = " and ".join(name for name, r in (("baseline", before), ("candidate", after)) if not r)
+    missing = " and ".join(
+        name
+        for name, has in (("baseline", any(_paired_ratios(b) for b in bases)), ("candidate", _paired_ratios(cand)))
+        if not has
+    )
     return Finding(
-        case_id,
+        cand.case_id,
         "step_time",
         kind,
-        base.step_time_median_s,
+        base_value,
         cand.step_time_median_s,
         change,
         p,
-        detail=f"absolute step times (no paired rounds in the {missing}): the machine's drift is not cancelled",
+        detail=f"absolute step times (no paired rounds in the {missing}): the machine's drift is not cancelled; "
+        f"{allowance}",
     )
 
 
@@ -233,30 +316,36 @@ def environment_changes(base: RunInfo, cand: RunInfo) -> dict[str, tuple[object,
     return changes
 
 
-def check(candidate: RunDir, baseline: RunDir, thresholds: Thresholds) -> CheckResult:
-    """Compare every candidate case with the baseline case of the same configuration."""
-    result = CheckResult(candidate.run_id, baseline.run_id, thresholds)
-    result.environment_changes = environment_changes(baseline.info(), candidate.info())
-    base_cases = {c.case_id: c for c in baseline.cases()}
+def check(candidate: RunDir, baselines: list[RunDir], thresholds: Thresholds) -> CheckResult:
+    """Compare every candidate case with the same configuration's cases in the baseline runs (newest first)."""
+    result = CheckResult(candidate.run_id, [b.run_id for b in baselines], thresholds)
+    result.environment_changes = environment_changes(baselines[0].info(), candidate.info())
+    base_cases: dict[str, list[CaseRecord]] = {}
+    for baseline in baselines:
+        for case in baseline.cases():
+            base_cases.setdefault(case.case_id, []).append(case)
     for cand in candidate.cases():
         if cand.status == "skipped":
             continue
-        base = base_cases.get(cand.case_id)
-        if base is None:
+        bases = base_cases.get(cand.case_id, [])
+        if not bases:
             result.unmatched.append(cand.case_id)
         else:
             result.compared += 1
-        result.findings += case_findings(base, cand, thresholds)
+        result.findings += case_findings(bases, cand, thresholds)
+        samples = time_samples([b for b in bases if b.ok], cand) if cand.ok else None
+        if samples and cand.config.implementation != REFERENCE:
+            result.time_allowance_pct[cand.case_id] = round(RunSpread.of(samples.per_run).allowance_pct(thresholds), 2)
     return result
 
 
-def thresholds_from(regression: Mapping[str, Any], **overrides: float | None) -> Thresholds:
+def thresholds_from(regression: Mapping[str, Any], **overrides: float | int | None) -> Thresholds:
     """A suite's ``regression:`` block over the defaults, overridden by command-line flags."""
     values = {**asdict(Thresholds()), **regression, **{k: v for k, v in overrides.items() if v is not None}}
     return Thresholds(**values)
 
 
-def thresholds_for(run: RunDir, **overrides: float | None) -> Thresholds:
+def thresholds_for(run: RunDir, **overrides: float | int | None) -> Thresholds:
     """The thresholds of the suite ``run`` ran (as stored with it), overridden by command-line flags."""
     return thresholds_from(run.info().suite.regression, **overrides)
 
@@ -265,8 +354,8 @@ def same_suite_and_machine(a: RunInfo, b: RunInfo) -> bool:
     return a.suite.name == b.suite.name and machine_fingerprint(a) == machine_fingerprint(b)
 
 
-def latest_baseline(results: Path, candidate: RunDir) -> RunDir | None:
-    """The newest earlier run of the same suite on the same machine."""
+def latest_baselines(results: Path, candidate: RunDir, count: int) -> list[RunDir]:
+    """The newest ``count`` earlier runs of the same suite on the same machine, newest first."""
     info = candidate.info()
     same = [
         r
@@ -275,4 +364,4 @@ def latest_baseline(results: Path, candidate: RunDir) -> RunDir | None:
         and same_suite_and_machine(r.info(), info)
         and r.info().started_at <= info.started_at
     ]
-    return max(same, key=lambda r: r.info().started_at, default=None)
+    return sorted(same, key=lambda r: r.info().started_at, reverse=True)[:count]

@@ -54,6 +54,8 @@ class RegressionConfig(_Frozen):
     memory_floor_bytes: int = Field(1 << 20, ge=0)
     rss_floor_bytes: int = Field(32 << 20, ge=0)
     p_value: float = Field(0.01, gt=0, lt=1)
+    baseline_runs: int = Field(5, ge=1)
+    spread_factor: float = Field(2.0, ge=0)
 
 
 class ImplementationEntry(_Frozen):

@@ -1,22 +1,26 @@
-"""Does the regression gate hold on a loaded machine? Real runs, real load, both gates counted.
+"""Does the regression gate hold on a loaded machine? Real runs, real load, every gate counted.
 
-One baseline run of a small CPU suite (DDP, zero2 and the ``slow`` test plug-in,
-which runs DDP's code), then ``--reruns`` unchanged reruns and as many reruns with the plug-in
-slowed by ``--slowdown`` percent, alternating, while a load switcher beside them turns zero, one
-or two busy processes on and off every few seconds (a random schedule, seeded). Every rerun is
-judged against the baseline twice:
+A small CPU suite (DDP, zero2 and the ``slow`` test plug-in, which runs DDP's code) runs
+``--baseline-runs`` times before a load switcher starts and as many times beside it: the two
+candidate baselines. Then ``--reruns`` unchanged reruns and as many with the plug-in slowed by
+``--slowdown`` percent, alternating, beside the switcher, which turns zero, one or two busy
+processes on and off every 2-8 s (a random schedule, seeded). Every run is kept under ``--keep``
+with a manifest, and every rerun is judged by each gate in ``GATES``:
 
-- the gate as it is (``zbench.regress.check``: each case's step time relative to DDP's, from the
-  paired rounds measured in the same run; DDP's own drift reported, not gated);
-- the gate as it was before the paired rounds: every case's absolute step times, Mann-Whitney U
-  and the same minimum effect.
+- today's gate (``zbench.regress.check``): each case's step time relative to DDP's, from the paired
+  rounds measured in the same run, against the pooled baseline runs, with an allowance widened by
+  how far those runs' medians spread; DDP's own drift reported, not gated;
+- the same against the pooled runs made before the load;
+- the gate before pooling: paired ratios against one baseline run;
+- the gate before paired rounds: every case's absolute step times against one baseline run.
 
 A *false alarm* is any case flagged as a time regression in an unchanged rerun (or a case other
 than the slowed one in a slowed rerun); a *detection* is the slowed case flagged in a slowed
 rerun. The figures go to docs/methods.md#measured-on-a-loaded-machine.
 
 It takes long (about a minute per run on a 2-core machine), so it is not part of the test run:
-``python -m tests.benchmarks.gate_under_load --reruns 20 --out gate.json`` from the repository root.
+``python -m tests.benchmarks.gate_under_load --keep /tmp/gate --out gate.json`` from the repository
+root; ``--judge-only`` judges kept runs again (after changing a gate).
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from zbench.regress import Thresholds, check, compare_times
 from zbench.store import RunDir
@@ -121,93 +126,123 @@ def absolute_time_flags(candidate: RunDir, baseline: RunDir, t: Thresholds) -> l
     return flagged
 
 
+def time_flags(candidate: RunDir, baselines: list[RunDir], t: Thresholds) -> list[str]:
+    """Cases ``zbench check`` flags as time regressions against these baseline runs (newest first)."""
+    result = check(candidate, baselines, t)
+    failed = [f.case_id for f in result.findings if f.kind == "failure"]
+    if failed:
+        raise RuntimeError(f"{candidate.run_id}: cases failed outright: {failed}")
+    return [f.case_id for f in result.findings if f.kind == "regression" and f.metric.startswith("step")]
+
+
 @dataclass
-class Rerun:
-    slowed: bool
-    paired_flags: list[str] = field(default_factory=list)
-    absolute_flags: list[str] = field(default_factory=list)
-    slowed_case_change_pct: float | None = None
-    rounds: int = 0
-    failed_cases: list[str] = field(default_factory=list)
-
-    def counts(self, flags: list[str]) -> tuple[bool, bool]:
-        """(false alarm, detection) for one gate's flagged cases."""
-        others = [c for c in flags if SLOWED not in c]
-        caught = any(SLOWED in c for c in flags)
-        if self.slowed:
-            return bool(others), caught
-        return bool(flags), False
+class Baselines:
+    quiet: list[RunDir]
+    """Made before the load switcher started (other work may still have run on the machine), newest first."""
+    loaded: list[RunDir]
+    """Made beside the switched load, newest first."""
 
 
-def judge(candidate: RunDir, baseline: RunDir, *, slowed: bool, t: Thresholds) -> Rerun:
-    result = check(candidate, baseline, t)
-    rerun = Rerun(slowed=slowed)
-    rerun.paired_flags = [f.case_id for f in result.findings if f.kind == "regression" and f.metric.startswith("step")]
-    rerun.failed_cases = [f.case_id for f in result.findings if f.kind == "failure"]
-    rerun.absolute_flags = absolute_time_flags(candidate, baseline, t)
-    for case in candidate.cases():
-        if SLOWED in case.case_id and case.paired and case.paired.ratios:
-            base_case = next(c for c in baseline.cases() if c.case_id == case.case_id)
-            if base_case.paired and base_case.paired.ratios:
-                rerun.slowed_case_change_pct = 100 * (
-                    statistics.median(case.paired.ratios) / statistics.median(base_case.paired.ratios) - 1
-                )
-            rerun.rounds = len(case.paired.ratios)
-    return rerun
+GATES: dict[str, Callable[[RunDir, Baselines, Thresholds], list[str]]] = {
+    "pooled, 5 baseline runs beside the load (today)": lambda run, b, t: time_flags(run, b.loaded, t),
+    "pooled, 5 baseline runs before the load": lambda run, b, t: time_flags(run, b.quiet, t),
+    "paired, 1 baseline run before the load (the gate before pooling)": lambda run, b, t: time_flags(
+        run, b.quiet[:1], t
+    ),
+    "absolute times, 1 baseline run before the load (before paired rounds)": lambda run, b, t: absolute_time_flags(
+        run, b.quiet[0], t
+    ),
+}
 
 
-def summarise(reruns: list[Rerun]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for gate, attr in (("paired (today)", "paired_flags"), ("absolute (before)", "absolute_flags")):
-        unchanged = [r.counts(getattr(r, attr)) for r in reruns if not r.slowed]
-        slowed = [r.counts(getattr(r, attr)) for r in reruns if r.slowed]
-        out[gate] = {
+def median_ratios(run: RunDir) -> dict[str, float]:
+    """Each case's median paired ratio in one run: the figure the gate compares."""
+    return {
+        c.case_id: round(statistics.median(c.paired.ratios), 4)
+        for c in run.cases()
+        if c.ok and c.paired and c.paired.ratios
+    }
+
+
+def judge_all(keep: Path) -> dict[str, object]:
+    """Every rerun under ``keep`` judged by every gate in ``GATES``; false alarms and detections per gate."""
+    manifest = json.loads((keep / "manifest.json").read_text())
+
+    def runs(kind: str) -> list[RunDir]:
+        return [RunDir(keep / "results", run_id) for run_id in manifest[kind]]
+
+    base = Baselines(quiet=runs("quiet_baselines")[::-1], loaded=runs("loaded_baselines")[::-1])
+    t = Thresholds()
+    rows: list[dict[str, Any]] = []
+    for kind in ("unchanged", "slowed"):
+        for run in runs(kind):
+            flags = {gate: how(run, base, t) for gate, how in GATES.items()}
+            rows.append({"run": run.run_id, "slowed": kind == "slowed", "flags": flags, "ratios": median_ratios(run)})
+    summary: dict[str, object] = {}
+    for gate in GATES:
+        unchanged = [r["flags"][gate] for r in rows if not r["slowed"]]
+        slowed = [r["flags"][gate] for r in rows if r["slowed"]]
+        summary[gate] = {
             "unchanged_reruns": len(unchanged),
-            "false_alarms_unchanged": sum(fa for fa, _ in unchanged),
+            "false_alarms_unchanged": sum(bool(f) for f in unchanged),
             "slowed_reruns": len(slowed),
-            "detections": sum(d for _, d in slowed),
-            "false_alarms_in_slowed_runs": sum(fa for fa, _ in slowed),
+            "detections": sum(any(SLOWED in c for c in f) for f in slowed),
+            "false_alarms_in_slowed_runs": sum(any(SLOWED not in c for c in f) for f in slowed),
         }
-    return out
+    summary["time_allowance_pct (pooled beside the load)"] = check(
+        runs("unchanged")[0], base.loaded, t
+    ).time_allowance_pct
+    summary["baseline median ratios"] = {
+        "before the load": [median_ratios(r) for r in base.quiet],
+        "beside the load": [median_ratios(r) for r in base.loaded],
+    }
+    return {"summary": summary, "reruns": rows}
+
+
+def collect(args: argparse.Namespace) -> None:
+    """Make every run and keep it: ``--keep DIR`` holds the run directories and ``manifest.json`` (which is which)."""
+    keep: Path = args.keep
+    keep.mkdir(parents=True, exist_ok=True)
+    suite = keep / "gate.yaml"
+    suite.write_text(SUITE.format(paired_seconds=args.paired_seconds))
+    results = keep / "results"
+    manifest: dict[str, list[str]] = {"quiet_baselines": [], "loaded_baselines": [], "unchanged": [], "slowed": []}
+    started = time.perf_counter()
+
+    def one(kind: str, slowdown: float) -> None:
+        run = run_suite(suite, results, slowdown_pct=slowdown)
+        manifest[kind].append(run.run_id)
+        (keep / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        done = sum(len(v) for v in manifest.values())
+        print(f"[{done}] {kind} {run.run_id} [{time.perf_counter() - started:.0f} s]", flush=True)
+
+    for _ in range(args.baseline_runs):
+        one("quiet_baselines", 0)
+    with LoadSwitcher(args.seed) as load:
+        for _ in range(args.baseline_runs):
+            one("loaded_baselines", 0)
+        for i in range(2 * args.reruns):
+            one("slowed" if i % 2 else "unchanged", args.slowdown if i % 2 else 0)
+    print(f"{len(load.levels)} load switches", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reruns", type=int, default=20, help="unchanged reruns, and as many slowed ones")
+    parser.add_argument("--baseline-runs", type=int, default=5, help="baseline runs without load, then as many with")
     parser.add_argument("--slowdown", type=float, default=10.0, help="percent the slowed reruns add to a step")
     parser.add_argument("--paired-seconds", type=float, default=10.0, help="the suite's paired_seconds")
     parser.add_argument("--seed", type=int, default=0, help="the load schedule's seed")
-    parser.add_argument("--out", type=Path, default=None, help="write every rerun and the summary as JSON")
+    parser.add_argument("--keep", type=Path, required=True, help="directory for the runs and the manifest")
+    parser.add_argument("--judge-only", action="store_true", help="judge the runs already in --keep")
+    parser.add_argument("--out", type=Path, default=None, help="write every verdict and the summary as JSON")
     args = parser.parse_args()
-
-    t = Thresholds()
-    with tempfile.TemporaryDirectory(prefix="zbench-gate-") as tmp:
-        suite = Path(tmp) / "gate.yaml"
-        suite.write_text(SUITE.format(paired_seconds=args.paired_seconds))
-        results = Path(tmp) / "results"
-        started = time.perf_counter()
-        baseline = run_suite(suite, results, slowdown_pct=0)
-        print(f"baseline {baseline.run_id} ({time.perf_counter() - started:.0f} s)", flush=True)
-        reruns: list[Rerun] = []
-        with LoadSwitcher(args.seed) as load:
-            for i in range(2 * args.reruns):
-                slowed = i % 2 == 1
-                candidate = run_suite(suite, results, slowdown_pct=args.slowdown if slowed else 0)
-                rerun = judge(candidate, baseline, slowed=slowed, t=t)
-                reruns.append(rerun)
-                print(
-                    f"[{i + 1}/{2 * args.reruns}] {'slowed   ' if slowed else 'unchanged'} "
-                    f"paired flags {rerun.paired_flags} absolute flags {rerun.absolute_flags} "
-                    f"slowed case {rerun.slowed_case_change_pct and round(rerun.slowed_case_change_pct, 1)}% "
-                    f"({rerun.rounds} rounds) failed {rerun.failed_cases} "
-                    f"[{time.perf_counter() - started:.0f} s]",
-                    flush=True,
-                )
-        summary = summarise(reruns)
-        summary["load_levels_switched"] = len(load.levels)
-        print(json.dumps(summary, indent=2))
-        if args.out:
-            args.out.write_text(json.dumps({"summary": summary, "reruns": [r.__dict__ for r in reruns]}, indent=2))
+    if not args.judge_only:
+        collect(args)
+    summary = judge_all(args.keep)
+    print(json.dumps(summary["summary"], indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=2))
     return 0
 
 
