@@ -17,8 +17,9 @@ allowance (``spread_factor`` times the largest stray, at least ``time_pct``).
 
 Either way a time regression needs both a minimum effect (the median grew by
 more than the allowance) and significance on the samples (two-sided
-Mann-Whitney U against the baseline runs' pooled samples, p < ``p_value``). A memory regression needs growth above
-``memory_pct`` and above an absolute floor. A case that stops being ``ok`` or
+Mann-Whitney U against the baseline runs' pooled samples, p < ``p_value``).
+Memory does not drift with load, so it is compared with the newest baseline
+run: a regression needs growth above ``memory_pct`` and an absolute floor. A case that stops being ``ok`` or
 stops training like DDP always fails the gate. Improvements are reported the
 same way. Every finding comes with what differs between the two runs'
 environments (versions, commit, the machine's load when each started).
