@@ -96,16 +96,31 @@ def main() -> int:
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], help="precisions")
     parser.add_argument("--built-ins", action="store_true", help="also run fsdp, torch_zero and zero1-3 as controls")
     parser.add_argument("--out", type=Path, default=None, help="write every case's checks as JSON")
+    parser.add_argument("--keep", type=Path, default=None, help="run here and keep it (default: a temporary directory)")
+    parser.add_argument("--tables-only", action="store_true", help="print the tables of the run already in --keep")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="zbench-margins-") as tmp:
-        suite = Path(tmp) / "margins.yaml"
+        where = args.keep or Path(tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        suite = where / "margins.yaml"
         suite.write_text(suite_for(args.model, args.worlds, args.precisions, args.built_ins))
-        results = Path(tmp) / "results"
-        subprocess.run(
-            [sys.executable, "-m", "zbench", "run", str(suite), "--results", str(results), "--report", f"{tmp}/r"],
-            cwd=REPO,
-            check=False,
-        )
+        results = where / "results"
+        if not args.tables_only:
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "zbench",
+                    "run",
+                    str(suite),
+                    "--results",
+                    str(results),
+                    "--report",
+                    f"{where}/r",
+                ],
+                cwd=REPO,
+                check=False,
+            )
         cases = {}
         for path in results.glob("*/cases/*.json"):
             case = json.loads(path.read_text())
