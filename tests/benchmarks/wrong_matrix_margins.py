@@ -106,21 +106,8 @@ def main() -> int:
         suite.write_text(suite_for(args.model, args.worlds, args.precisions, args.built_ins))
         results = where / "results"
         if not args.tables_only:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "zbench",
-                    "run",
-                    str(suite),
-                    "--results",
-                    str(results),
-                    "--report",
-                    f"{where}/r",
-                ],
-                cwd=REPO,
-                check=False,
-            )
+            command = ["-m", "zbench", "run", str(suite), "--results", str(results), "--report", str(where / "r")]
+            subprocess.run([sys.executable, *command], cwd=REPO, check=False)
         cases = {}
         for path in results.glob("*/cases/*.json"):
             case = json.loads(path.read_text())
