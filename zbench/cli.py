@@ -181,6 +181,7 @@ def check(
     baseline: Annotated[
         list[str] | None,
         typer.Option(
+            metavar="latest|DIR",
             help="'latest' (default: the newest earlier runs of the same suite on this machine), or a run "
             "directory, or a results directory (its newest runs of the suite); repeat to pool several."
         ),
@@ -189,6 +190,7 @@ def check(
         int | None,
         typer.Option(
             min=1,
+            metavar="N",
             help="How many earlier runs make the baseline (default: the suite's, else 5). With 3 or more, how far "
             "their medians spread widens each case's time allowance: the load's effect on that engine.",
         ),
@@ -204,9 +206,10 @@ def check(
         float | None, typer.Option(help="Minimum memory growth in percent (default: the suite's, else 2).")
     ] = None,
 ) -> None:
-    """Gate a run against a baseline from the same machine: exit 1 on any regression or failed case, else 0.
+    """Gate a run against baseline runs from the same machine: exit 1 on any regression or failed case, else 0.
 
-    The candidate is the newest run under RESULTS (or RESULTS itself when it is one run's directory).
+    The candidate is the newest run under RESULTS (or RESULTS itself when it is one run's directory). Each case's
+    step time over DDP's is judged against the baseline runs' (docs/methods.md#regression-gate).
     """
     from zbench import check as check_mod
 
