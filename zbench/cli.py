@@ -183,7 +183,7 @@ def check(
         typer.Option(
             metavar="latest|DIR",
             help="'latest' (default: the newest earlier runs of the same suite on this machine), or a run "
-            "directory, or a results directory (its newest runs of the suite); repeat to pool several."
+            "directory, or a results directory (its newest runs of the suite); repeat to pool several.",
         ),
     ] = None,
     baseline_runs: Annotated[
