@@ -122,6 +122,8 @@ def test_help_lists_choices_and_flags():
         for choice in choices:
             assert choice in r.stdout, (command, r.stdout)
         assert "--json " in r.stdout and "<bool>" not in r.stdout and "--json BOOLEAN" not in r.stdout
+    check = zbench("check", "--help").stdout
+    assert "--baseline latest|DIR" in check and "--baseline-runs N" in check and "list[str]" not in check
 
 
 def test_plan_and_compare_share_the_default_precision():
