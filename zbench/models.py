@@ -73,7 +73,7 @@ def build_model(name: str, *, seed: int, device: torch.device | str = "cpu") -> 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT(cfg)
-    return model.to(device)
+    return model if torch.device(device) == torch.device("cpu") else model.to(device)
 
 
 def checkpoint_blocks(model: nn.Module) -> nn.Module:

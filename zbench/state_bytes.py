@@ -20,6 +20,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """Which storage ``t`` views: its device and the storage object's identity.
+
+    Not ``data_ptr()``: a fake tensor (``zbench plan --trace``) has no memory, every one reads 0.
+    """
+    return str(t.device), t.untyped_storage()._cdata
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` start at the same element of the same storage (for real and fake tensors alike)."""
+    return storage_key(a) == storage_key(b) and a.storage_offset() * a.element_size() == (
+        b.storage_offset() * b.element_size()
+    )
+
+
 def location_of(t: torch.Tensor) -> str:
     return "host" if t.device.type == "cpu" else "device"
 
@@ -38,7 +53,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None], *, compute_device: torc
             continue
         t = _local(t)
         storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr())
+        key = storage_key(t)
         if key in seen or storage.nbytes() == 0:
             continue
         seen.add(key)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from zbench.comm_labels import recorded_as
+from zbench.state_bytes import same_memory
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the first names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -41,7 +42,7 @@ class _SliceOnWait:
 
     def wait(self) -> None:
         self.work.wait()
-        if self.out.data_ptr() != self.mine.data_ptr():
+        if not same_memory(self.out, self.mine):
             self.out.copy_(self.mine)
 
     def is_completed(self) -> bool:
@@ -80,7 +81,7 @@ class Comm:
         wire, without a full-size copy on the training thread.
         """
         if self.world == 1:
-            if out.data_ptr() != inp.data_ptr():
+            if not same_memory(out, inp):
                 out.copy_(inp)
             return DONE
         if scratch and self.backend == "gloo":
@@ -117,7 +118,7 @@ class Comm:
         in four at world 3, so the plain all-gather it is.
         """
         if self.world == 1:
-            if out.data_ptr() != inp.data_ptr():
+            if not same_memory(out, inp):
                 out.copy_(inp)
             return DONE
         work = _all_gather(out, inp, group=self.group, async_op=async_op)

@@ -31,6 +31,7 @@ from torch import nn
 from zbench.implementations.zero.masters import check_masters
 from zbench.implementations.zero.offload import HostToDevice, Upload, host_empty
 from zbench.implementations.zero.state import Held
+from zbench.state_bytes import same_memory
 from zbench.implementations.zero.swap import Region, SwapDir
 from zbench.implementations.zero.tiers import ParamTier
 from zbench.protocol import TrainSpec
@@ -143,20 +144,21 @@ class NvmeMasters:
         n = len(self._subs)
         jobs: list[Future] = []
         try:
-            reading = self.swap.submit(self._read, 0, slots[0])
+            reading = self.swap.submit(self._read, 0, slots[0], self._io_views(0, slots[0], with_state=self._started))
             jobs.append(reading)
             for j, sub in enumerate(self._subs):
                 slot = slots[j % self.SLOTS]
                 reading.result()
                 if j + 1 < n:
-                    reading = self.swap.submit(self._read, j + 1, slots[(j + 1) % self.SLOTS])
+                    nxt = slots[(j + 1) % self.SLOTS]
+                    reading = self.swap.submit(self._read, j + 1, nxt, self._io_views(j + 1, nxt, with_state=self._started))
                     jobs.append(reading)
                 self._step_one(j, slot, grads[sub.group][sub.lo : sub.hi])
                 self._groups[sub.group].tier.update(sub.lo, sub.hi, slot.master[: sub.numel])
                 if self.device.type == "cuda":  # the tier's copy to the device reads this slot
                     slot.uploaded = torch.cuda.Event()
                     slot.uploaded.record()
-                jobs.append(self.swap.submit(self._write, j, slot))
+                jobs.append(self.swap.submit(self._write, j, self._io_views(j, slot, with_state=True)))
         finally:
             wait(jobs)
         for job in jobs:
@@ -164,28 +166,33 @@ class NvmeMasters:
         self.swap.flush()
         self._started = True
 
-    def _read(self, j: int, slot: _Slot) -> None:
+    def _io_views(self, j: int, slot: _Slot, *, with_state: bool) -> list[tuple[Region, torch.Tensor]]:
+        """Sub-group ``j``'s regions and the views of ``slot`` they fill or empty, made on the training thread
+        (the I/O thread only moves bytes; it runs no tensor operation)."""
+        sub = self._subs[j]
+        group = self._groups[sub.group]
+        views = [(group.master, slot.master[: sub.numel])]
+        if with_state:
+            views += [(region, slot.state[k][: sub.numel]) for k, region in group.state.items()]
+        return views
+
+    def _read(self, j: int, slot: _Slot, views: list[tuple[Region, torch.Tensor]]) -> None:
         """I/O thread: sub-group ``j``'s master (and state, once there is some) into ``slot``."""
         self._record("read", j, "begin")
         if slot.uploaded is not None:
             slot.uploaded.synchronize()
             slot.uploaded = None
-        sub = self._subs[j]
-        group = self._groups[sub.group]
-        group.master.read(slot.master[: sub.numel], sub.lo)
-        if self._started:
-            for k, region in group.state.items():
-                region.read(slot.state[k][: sub.numel], sub.lo)
+        lo = self._subs[j].lo
+        for region, view in views:
+            region.read(view, lo)
         self._record("read", j, "end")
 
-    def _write(self, j: int, slot: _Slot) -> None:
-        """I/O thread: sub-group ``j``'s updated master and state from ``slot`` back to disk."""
+    def _write(self, j: int, views: list[tuple[Region, torch.Tensor]]) -> None:
+        """I/O thread: sub-group ``j``'s updated master and state from its slot back to disk."""
         self._record("write", j, "begin")
-        sub = self._subs[j]
-        group = self._groups[sub.group]
-        group.master.write(slot.master[: sub.numel], sub.lo)
-        for k, region in group.state.items():
-            region.write(slot.state[k][: sub.numel], sub.lo)
+        lo = self._subs[j].lo
+        for region, view in views:
+            region.write(view, lo)
         self._record("write", j, "end")
 
     def _step_one(self, j: int, slot: _Slot, grad: torch.Tensor) -> None:
@@ -206,7 +213,7 @@ class NvmeMasters:
             p.data = _NOTHING
         for k in self.keys:  # on the first step the optimizer created its state itself: keep it in the slot
             view = slot.state[k][:n]
-            if state[k].data_ptr() != view.data_ptr():
+            if not same_memory(state[k], view):
                 view.copy_(state[k])
             del state[k]
         self._record("step", j, "end")

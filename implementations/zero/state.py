@@ -10,7 +10,7 @@ import torch
 
 from zbench.implementations.zero.comm import Comm
 from zbench.implementations.zero.flat import FlatLayout
-from zbench.state_bytes import empty_state_bytes
+from zbench.state_bytes import empty_state_bytes, storage_key
 
 if TYPE_CHECKING:
     from zbench.implementations.zero.placement import Placement
@@ -42,7 +42,7 @@ class Held:
                 if t is None:
                     continue
                 storage = t.untyped_storage()
-                key = (str(t.device), storage.data_ptr())
+                key = storage_key(t)
                 if key in seen or storage.nbytes() == 0:
                     continue
                 seen.add(key)

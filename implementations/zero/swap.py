@@ -32,10 +32,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable in place (any dtype, bf16 included)."""
+def tracing() -> bool:
+    """This thread runs under a ``FakeTensorMode`` (``zbench plan --trace``)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview | None:
+    """The bytes of a contiguous CPU tensor, writable in place (any dtype, bf16 included); ``None`` for a
+    fake tensor (``zbench plan --trace``), which has sizes but no bytes to move."""
+    if is_fake(t):  # checked first: on the I/O thread a fake tensor's device can read "meta" mid-trace
+        return None
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("swap I/O needs a contiguous host tensor")
     return t.detach().view(torch.uint8).numpy().data.cast("B")
@@ -54,6 +63,10 @@ class SwapFile:
         itemsize = torch.empty((), dtype=dtype).element_size()
         region = Region(self, self.size, numel, dtype, itemsize)
         nbytes = numel * itemsize
+        if tracing():  # fake tensors: the file gets its size (what ``disk_bytes`` reports) but no blocks
+            os.ftruncate(self.fd, self.size + nbytes)
+            self.size += nbytes
+            return region
         try:  # reserve the blocks, so that a full disk fails here, not in the middle of a step
             os.posix_fallocate(self.fd, self.size, nbytes)
         except OSError as e:
@@ -63,7 +76,9 @@ class SwapFile:
         self.size += nbytes
         return region
 
-    def read(self, offset: int, out: memoryview) -> None:
+    def read(self, offset: int, out: memoryview | None) -> None:
+        if out is None:
+            return
         done = 0
         while done < len(out):
             n = os.preadv(self.fd, [out[done:]], offset + done)
@@ -71,7 +86,9 @@ class SwapFile:
                 raise OSError(f"{self.path}: unexpected end of file at byte {offset + done}")
             done += n
 
-    def write(self, offset: int, data: memoryview) -> None:
+    def write(self, offset: int, data: memoryview | None) -> None:
+        if data is None:
+            return
         done = 0
         while done < len(data):
             done += os.pwritev(self.fd, [data[done:]], offset + done)

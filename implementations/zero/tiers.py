@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from zbench.implementations.zero.state import Held
+from zbench.state_bytes import same_memory
 
 
 class ParamTier(Protocol):
@@ -51,7 +52,7 @@ class DeviceShard:
 
     def update(self, lo: int, hi: int, values: torch.Tensor) -> None:
         dst = self.tensor[lo:hi]
-        if values.dtype == dst.dtype and values.device == dst.device and values.data_ptr() == dst.data_ptr():
+        if values.dtype == dst.dtype and same_memory(values, dst):
             return  # an fp32 master on the device *is* the shard
         if values.device != dst.device:
             # Note: copy fp32 to the device, then cast there; a cross-device copy_ with a cast would

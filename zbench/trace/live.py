@@ -1,0 +1,180 @@
+"""Live tensor bytes of one rank, its peak, and what the peak is made of: one accounting for fake and real tensors.
+
+``LiveBytes`` is a ``TorchDispatchMode``: every operator output's storage is
+recorded once (bytes and device) with a weak reference that takes it off the
+books when torch frees it. So the same figure comes out of a fake trace (no
+memory anywhere) and of a real run (where it can be checked), which is how
+``zbench plan --trace`` is validated (tests/test_trace.py). It counts tensor
+storages, not allocator blocks: no rounding, caching or fragmentation (the CUDA
+allocator's peak is higher by those).
+
+Each storage has a role, the composition of the peak:
+
+- ``held between steps``: alive when the measured step began (model states, and
+  buffers an implementation keeps, such as DDP's gradient buckets);
+- ``gathered parameters``: outputs of an all-gather (ZeRO-3/FSDP units, ZeRO-1/2's
+  updated parameters);
+- ``communication buffers``: other tensors handed to a collective (gradient
+  buckets, reduce-scatter inputs and outputs, all-gather inputs);
+- ``activations``: saved by autograd for the backward pass;
+- ``backward temporaries``: anything else made during backward (gradients
+  before they are reduced, recomputation);
+- ``other temporaries``: anything else made outside backward (forward scratch,
+  the optimizer step's temporaries, copies to and from the host).
+
+A storage takes the first role that applies, in the order above; a storage
+made during the step and later sent or saved for backward becomes a buffer
+or an activation from then on (a gathered weight saved for backward stays a
+gathered parameter).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+HELD = "held between steps"
+ACTIVATIONS = "activations"
+GATHERED = "gathered parameters"
+COMM = "communication buffers"
+BACKWARD = "backward temporaries"
+OTHER = "other temporaries"
+ROLES = (HELD, GATHERED, COMM, ACTIVATIONS, BACKWARD, OTHER)
+
+_GATHERS = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"}
+
+
+@dataclass
+class _Storage:
+    nbytes: int
+    location: str
+    role: str
+
+
+@dataclass
+class Peak:
+    """The most live bytes one location held at once, and their roles at that moment."""
+
+    bytes: int = 0
+    roles: dict[str, int] = field(default_factory=dict)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Count live storages by location (``device``: the compute device; ``host``: any other) and role."""
+
+    def __init__(self, compute_device: torch.device) -> None:
+        super().__init__()
+        self.compute_device = torch.device(compute_device)
+        self._live: dict[int, _Storage] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self.current: Counter[tuple[str, str]] = Counter()
+        self.peaks: dict[str, Peak] = {}
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._saved, lambda t: t)
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def _location(self, t: torch.Tensor) -> str:
+        return "device" if t.device == self.compute_device else "host"
+
+    def _forget(self, key: int, _ref: object) -> None:
+        entry = self._live.pop(key, None)
+        self._refs.pop(key, None)
+        if entry is not None:
+            self.current[(entry.location, entry.role)] -= entry.nbytes
+
+    def track(self, t: torch.Tensor, role: str) -> None:
+        """Count ``t``'s storage if it is new (with ``role``), else move it to ``role`` if that ranks higher."""
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return
+        storage = t.untyped_storage()
+        key = storage._cdata
+        entry = self._live.get(key)
+        if entry is None:
+            nbytes = storage.nbytes()
+            entry = _Storage(nbytes, self._location(t), role)
+            self._live[key] = entry
+            self._refs[key] = weakref.ref(storage, lambda ref, key=key: self._forget(key, ref))
+            self.current[(entry.location, role)] += nbytes
+            self._update_peak(entry.location)
+        elif ROLES.index(role) < ROLES.index(entry.role) and entry.role != HELD:
+            self.current[(entry.location, entry.role)] -= entry.nbytes
+            entry.role = role
+            self.current[(entry.location, role)] += entry.nbytes
+
+    def resync(self) -> None:
+        """Re-read every storage's size: FSDP2 frees and re-allocates its gathered parameters by resizing
+        their storage (``untyped_storage().resize_``), which no operator reports. Done before each
+        collective, where those storages are filled."""
+        for key, ref in self._refs.items():
+            storage = ref()
+            entry = self._live[key]
+            nbytes = storage.nbytes() if storage is not None else entry.nbytes
+            if nbytes != entry.nbytes:
+                self.current[(entry.location, entry.role)] += nbytes - entry.nbytes
+                entry.nbytes = nbytes
+
+    def _update_peak(self, location: str) -> None:
+        total = sum(b for (loc, _), b in self.current.items() if loc == location)
+        peak = self.peaks.setdefault(location, Peak())
+        if total > peak.bytes:
+            peak.bytes = total
+            peak.roles = {role: b for (loc, role), b in self.current.items() if loc == location and b}
+
+    def live_bytes(self, location: str) -> int:
+        return sum(b for (loc, _), b in self.current.items() if loc == location)
+
+    # -- measuring ---------------------------------------------------------------------------------
+
+    def hold(self, tensors: Any) -> None:
+        """Count what already exists (the model, an engine's buffers) as held between steps."""
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                self.track(t, HELD)
+
+    def start_step(self) -> None:
+        """Everything alive now is held between steps; the peaks start over from it."""
+        for entry in self._live.values():
+            self.current[(entry.location, entry.role)] -= entry.nbytes
+            entry.role = HELD
+            self.current[(entry.location, HELD)] += entry.nbytes
+        self.peaks = {}
+        for location in {e.location for e in self._live.values()}:
+            self._update_peak(location)
+
+    def _saved(self, t: torch.Tensor) -> torch.Tensor:
+        self.track(t, ACTIVATIONS)
+        return t
+
+    def __enter__(self) -> LiveBytes:
+        self._saved_hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._saved_hooks.__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        collective = func.namespace == "c10d"
+        if collective:  # what a collective fills or sends is a buffer, whoever made it
+            self.resync()
+            gather = func._opname in _GATHERS
+            for i, arg in enumerate(args):
+                for t in tree_leaves(arg):
+                    if isinstance(t, torch.Tensor):
+                        self.track(t, GATHERED if gather and i == 0 else COMM)
+            for location in {e.location for e in self._live.values()}:
+                self._update_peak(location)
+        out = func(*args, **kwargs)
+        if not collective:
+            role = BACKWARD if torch._C._current_graph_task_id() != -1 else OTHER
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.track(t, role)
+        return out

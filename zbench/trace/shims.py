@@ -1,0 +1,118 @@
+"""Where torch.distributed needs real data or a real network even when every tensor is fake, patched while tracing.
+
+``fake_world`` joins this process to a ``fake`` process group of any size (every
+collective returns at once, moving nothing) and, for as long as it is open,
+replaces the pieces of torch whose job is bookkeeping on real values or
+waiting on a network, not the training step being traced:
+
+- ``DeviceMesh.from_group`` (FSDP2) builds a tensor of rank ids and reads it back
+  with ``tolist()``; under ``FakeTensorMode`` that tensor has no values, so it is
+  built outside the fake mode (a few integers, not model state);
+- DDP's start-up check that every rank holds the same parameter shapes reads
+  parameter bytes; with one real rank in a fake group there is nothing to compare,
+  so it is skipped;
+- DDP's reducer expects its all-reduce to hand back the bucket; the fake group's
+  future carries nothing, so each DDP built meanwhile gets a communication hook
+  that does what the built-in one does (divide by the world size, all-reduce the
+  bucket in place, hand the bucket back) through ``dist.all_reduce``, which the
+  communication ledger counts as it counts the built-in hook;
+- before its second step DDP rebuilds its buckets in the order gradients arrived,
+  agreeing on that order across ranks by writing integers into a tensor; a fake
+  tensor has nowhere to write them, so a traced DDP keeps its first buckets (the
+  same gradients in the same bytes, grouped in declaration order; the peak can
+  differ by how one bucket's boundary falls, see docs/methods.md#tracing);
+- a fake collective is done at once, but its handle's ``is_completed()`` says
+  False for ever; an implementation that polls it to free a buffer early (the
+  reference engine's gradient buckets) would hold every buffer to the end, so
+  it says True, as a real handle does once the network has delivered.
+
+Everything else (the model's build, the engines' sharding, forward, backward,
+optimizer step, offload copies) runs unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.parallel.distributed as ddp_module
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def _allreduce_bucket(_state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default hook, written against the fake group: average the bucket in place and hand it back."""
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    work = dist.all_reduce(buffer, async_op=True)
+    assert work is not None  # async_op=True always returns the work
+    return work.get_future().then(lambda _: buffer)
+
+
+# DDP checks the hook's annotation against the class itself, not the string ``from __future__`` leaves
+_allreduce_bucket.__annotations__["bucket"] = dist.GradBucket
+_allreduce_bucket.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+class _KeepBuckets:
+    """DDP's reducer as DDP's Python code sees it, minus the bucket rebuild (C++ keeps the real reducer)."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+@contextmanager
+def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    original = owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+@contextmanager
+def fake_world(world: int, rank: int = 0, *, backend: str = "nccl") -> Iterator[None]:
+    """A fake process group of ``world`` ranks, this process being ``rank``, with the patches above.
+
+    ``dist.get_backend`` answers ``backend`` meanwhile: an implementation that takes another path per
+    backend (the reference engine builds gloo's reduce-scatter from an all-reduce) takes the one it would
+    take there. ``nccl`` traces what GPUs run; ``gloo`` what a CPU run does (how traces are validated).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process; tracing needs its own")
+    mesh_from_group = DeviceMesh.from_group
+    ddp_init = ddp_module.DistributedDataParallel.__init__
+
+    def real_mesh(*args: Any, **kwargs: Any) -> DeviceMesh:
+        with unset_fake_temporarily():
+            return mesh_from_group(*args, **kwargs)
+
+    def ddp_with_hook(self: ddp_module.DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+        ddp_init(self, *args, **kwargs)
+        self.register_comm_hook(None, _allreduce_bucket)
+        self.reducer = _KeepBuckets(self.reducer)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        with (
+            patched(DeviceMesh, "from_group", staticmethod(real_mesh)),
+            patched(ddp_module, "_verify_param_shape_across_processes", lambda *a, **k: None),
+            patched(ddp_module.DistributedDataParallel, "__init__", ddp_with_hook),
+            patched(dist, "get_backend", lambda group=None: backend),
+            patched(dist.Work, "is_completed", lambda self: True),
+        ):
+            yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,127 @@
+"""Run one case's real code (the model's build, the implementation's build, training steps) and account for it.
+
+``trace_case`` is what ``zbench plan --trace`` runs for every implementation x
+stage x offload mode: on fake tensors (``fake=True``: no memory, no arithmetic,
+inside a ``fake`` process group of any size, see ``zbench.trace.shims``), or on
+real ones inside a real process group, which is how the fake figures are
+checked (tests/test_trace.py). Both report the same things the same way:
+
+- model-state bytes by category and location, from the engine's own
+  ``state_bytes`` (what a real run records);
+- every collective of the last step through the communication ledger
+  (``zbench.measure.comms``), as a real run records it;
+- the peak of live tensor bytes per location during the last step and what it
+  is made of (``zbench.trace.live``).
+
+The first step creates the optimizer's state, before the second DDP re-orders
+its buckets (a one-time broadcast); the third, the steady state, is measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zbench import registry
+from zbench.case import Case
+from zbench.measure import comms
+from zbench.model_source import build, model_info
+from zbench.models import checkpoint_blocks, rank_micro_batches
+from zbench.trace.live import LiveBytes
+
+
+@dataclass
+class TraceResult:
+    """One rank's account of one case; ``error`` (one line) when the implementation could not be traced."""
+
+    case_id: str
+    implementation: str
+    stage: int
+    offload: str
+    world: int
+    rank: int
+    fake: bool
+    device: str
+    state_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    collectives: list[dict[str, Any]] = field(default_factory=list)
+    peak: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def comm_elements(self) -> int:
+        return sum(c["elements"] for c in self.collectives)
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(c["bytes"] for c in self.collectives)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "comm_elements": self.comm_elements, "comm_bytes": self.comm_bytes}
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def _fake_mode() -> contextlib.AbstractContextManager[Any]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def trace_case(case: Case, *, fake: bool, device: torch.device, steps: int = 3) -> TraceResult:
+    """Build and train ``case`` for ``steps`` steps in the current process group (``dist.group.WORLD``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != case.world_size:
+        raise ValueError(f"case {case.case_id} is for {case.world_size} ranks, the process group has {world}")
+    result = TraceResult(
+        case.case_id, case.implementation, case.stage, case.offload, world, rank, fake, str(device)
+    )
+    comms.install()
+    started = time.perf_counter()
+    info = model_info(case.model)
+    with contextlib.ExitStack() as stack:
+        swap_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="zbench-trace-")) if case.offload == "nvme" else None
+        if fake:
+            stack.enter_context(_fake_mode())
+        live = stack.enter_context(LiveBytes(device))
+        try:
+            model = build(case.model, seed=case.seed, device=device)
+            if case.activation_checkpointing:
+                checkpoint_blocks(model)
+            engine = registry.resolve(case.implementation).build(
+                model, case.train_spec(device, swap_dir=swap_dir), dist.group.WORLD
+            )
+            try:
+                rows = case.micro_batch * case.grad_accum * world
+                batch = torch.randint(0, info.vocab, (rows, case.seq_len + 1))
+                micro_batches = rank_micro_batches(
+                    batch, rank=rank, world=world, grad_accum=case.micro_batches_per_step, device=device
+                )
+                for step in range(steps):
+                    if step == steps - 1:
+                        live.start_step()
+                        comms.take()
+                    engine.step(micro_batches)
+                result.collectives = comms.take()
+                result.peak = {loc: {"bytes": p.bytes, "roles": p.roles} for loc, p in live.peaks.items()}
+                result.state_bytes = engine.state_bytes()
+            finally:
+                engine.close()
+        except Exception as exc:  # one implementation that cannot be traced must not stop the others
+            result.error = one_line(exc)
+            if os.environ.get("ZBENCH_TRACE_DEBUG"):
+                traceback.print_exc()
+            comms.take()
+    result.seconds = time.perf_counter() - started
+    return result
