@@ -299,9 +299,43 @@ def plan(
         Precision, typer.Option(help="bf16/fp16 (mixed: 2+2+12 bytes per parameter) or fp32 (4+4+8).")
     ] = DEFAULT_PRECISION,
     reserve: Annotated[float, typer.Option(help="Share of each GPU kept free for activations and buffers.")] = 0.2,
+    trace: Annotated[
+        bool,
+        typer.Option(
+            "--trace",
+            help="Run each implementation's real code (build + 3 training steps) on fake tensors in a fake "
+            "process group of --gpus ranks and report what rank 0 holds, next to the formulas. Needs --model.",
+        ),
+    ] = False,
+    implementation: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--implementation",
+            "-i",
+            help="With --trace: implementation to trace (repeatable; default: every built-in).",
+        ),
+    ] = None,
+    micro_batch: Annotated[int, typer.Option(help="With --trace: sequences per rank per step.")] = 1,
+    seq_len: Annotated[
+        int | None, typer.Option(help="With --trace: tokens per sequence (default: the model's).")
+    ] = None,
+    checkpointing: Annotated[
+        bool, typer.Option("--checkpointing", help="With --trace: recompute each block's activations in backward.")
+    ] = False,
+    device: Annotated[
+        Literal["auto", "cpu", "cuda"],
+        typer.Option(
+            help="With --trace: the fake tensors' device. auto: cuda where torch is built with CUDA (no GPU "
+            "needed), else cpu (same bytes; the CPU paths of each implementation)."
+        ),
+    ] = "auto",
     as_json: JsonOpt = False,
 ) -> None:
-    """Memory per GPU, per host and on disk for every ZeRO stage x offload mode, from the formulas, before running."""
+    """Memory per GPU, per host and on disk for every ZeRO stage x offload mode, from the formulas, before running.
+
+    With --trace, from the implementations' own code instead: model states by category and location, the peak
+    of live tensor bytes and what it is made of, and the collectives of one step, per rank, at any scale.
+    """
     from zbench import plan as plan_mod
     from zbench.formatting import fmt_bytes
     from zbench.presets import PRESETS
@@ -314,6 +348,23 @@ def plan(
         raise UsageError("--gpus, --params and --gpu-memory must be positive")
     if not 0 <= reserve < 1:
         raise UsageError(f"--reserve: {reserve} is not in [0, 1)")
+    if trace:
+        if model is None:
+            raise UsageError("--trace needs --model (a preset: its shape is what runs)")
+        _plan_trace(
+            model,
+            gpus=gpus,
+            precision=precision,
+            implementations=implementation,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            checkpointing=checkpointing,
+            device=device,
+            gpu_memory=gpu_memory,
+            gpus_per_node=gpus_per_node,
+            as_json=as_json,
+        )
+        return
     cfg = PRESETS[model] if model else None
     n = cfg.num_parameters if cfg else int(params or 0)
     rows = plan_mod.plan(
@@ -370,6 +421,128 @@ def plan(
             {True: "yes", False: "NO", None: "-"}[r.fits],
         )
     _stdout().print(table)
+
+
+def _plan_trace(
+    model: str,
+    *,
+    gpus: int,
+    precision: Precision,
+    implementations: list[str] | None,
+    micro_batch: int,
+    seq_len: int | None,
+    checkpointing: bool,
+    device: str,
+    gpu_memory: float | None,
+    gpus_per_node: int | None,
+    as_json: bool,
+) -> None:
+    """``zbench plan --trace``: trace, then print the table (or JSON)."""
+    from zbench.formatting import fmt_bytes
+    from zbench.implementations import BUILTIN
+    from zbench.presets import PRESETS
+    from zbench.trace import plan as trace_mod
+
+    names = implementations or list(BUILTIN)
+    unknown = [n for n in names if n not in BUILTIN]
+    if unknown:
+        raise UsageError(f"--implementation: unknown {', '.join(unknown)}; built-in: {', '.join(BUILTIN)}")
+    seq = seq_len or PRESETS[model].seq
+    if micro_batch < 1 or not 1 <= seq <= PRESETS[model].seq:
+        raise UsageError(f"--micro-batch must be >= 1 and --seq-len in 1..{PRESETS[model].seq}")
+    dev = trace_mod.default_device() if device == "auto" else device
+    if dev == "cuda" and not __import__("torch").cuda._is_compiled():
+        raise UsageError("--device cuda: this torch is built without CUDA; trace with --device cpu")
+    combos = trace_mod.combinations(names, ("none", "optimizer", "optimizer+params", "nvme"))
+    cases = [
+        trace_mod.make_case(
+            model,
+            n,
+            s,
+            o,
+            gpus=gpus,
+            precision=precision,
+            micro_batch=micro_batch,
+            seq_len=seq,
+            device=dev,
+            checkpointing=checkpointing,
+        )
+        for n, s, o in combos
+    ]
+    rows = trace_mod.trace_plan(cases, device=dev, progress=None if as_json else trace_mod.stderr_progress)
+    per_node = gpus_per_node or gpus
+    limit = gpu_memory * 2**30 if gpu_memory else None
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "model": model,
+                    "gpus": gpus,
+                    "precision": precision,
+                    "device": dev,
+                    "micro_batch": micro_batch,
+                    "seq_len": seq,
+                    "gpu_memory_gib": gpu_memory,
+                    "gpus_per_node": per_node,
+                    "rows": [r.to_json() for r in rows],
+                },
+                indent=1,
+            )
+        )
+        return
+    table = Table(
+        title=f"{model} traced as rank 0 of {gpus} ({dev} fake tensors), {precision}, micro-batch {micro_batch} x "
+        f"{seq} tokens" + (f", {gpu_memory:g} GiB per GPU" if gpu_memory else "")
+    )
+    for col in (
+        "implementation",
+        "states on GPU",
+        "formula",
+        "host per rank",
+        "formula ",
+        "disk",
+        "peak on GPU",
+        "largest share of the peak",
+        "sent per step",
+        "host per node",
+        "fits",
+    ):
+        table.add_column(col, justify="left" if col in ("implementation", "largest share of the peak") else "right")
+    notes = []
+    for r in rows:
+        if r.trace.error:
+            table.add_row(r.name, "cannot trace", "", "", "", "", "", r.trace.error[:60], "", "", "-")
+            notes.append(f"{r.name}: {r.trace.error}")
+            continue
+        roles = r.trace.peak.get("device", {}).get("roles", {})
+        top = max(roles, key=roles.get) if roles else "-"
+        peak = r.peak("device") - (int(r.located("host")) if dev == "cpu" else 0)
+        table.add_row(
+            r.name,
+            fmt_bytes(r.located("device")),
+            fmt_bytes(r.located("device", "formula")),
+            fmt_bytes(r.located("host")),
+            fmt_bytes(r.located("host", "formula")),
+            fmt_bytes(r.located("disk")),
+            fmt_bytes(peak),
+            f"{top} {roles.get(top, 0) / peak:.0%}" if peak else "-",
+            fmt_bytes(r.trace.comm_bytes),
+            fmt_bytes(r.located("host") * per_node),
+            "-" if limit is None else ("yes" if peak <= limit else "NO"),
+        )
+        notes += [f"{r.name}: {line}" for line in r.differences]
+    _stdout().print(table)
+    err = Console(stderr=True, highlight=False)
+    if dev == "cpu":
+        err.print(
+            Text(
+                "traced on fake CPU tensors: 'GPU' is the compute device; host copies of offloaded state share "
+                "its memory on this stand-in, so the peak shown is the live peak less the host-held state "
+                "(host temporaries still count; docs/methods.md#tracing)"
+            )
+        )
+    for line in notes:
+        err.print(Text(line))
 
 
 @app.command("report")

@@ -31,10 +31,10 @@ from torch import nn
 from zbench.implementations.zero.masters import check_masters
 from zbench.implementations.zero.offload import HostToDevice, Upload, host_empty
 from zbench.implementations.zero.state import Held
-from zbench.state_bytes import same_memory
 from zbench.implementations.zero.swap import Region, SwapDir
 from zbench.implementations.zero.tiers import ParamTier
 from zbench.protocol import TrainSpec
+from zbench.state_bytes import same_memory
 
 _NOTHING = torch.empty(0)
 
@@ -151,7 +151,9 @@ class NvmeMasters:
                 reading.result()
                 if j + 1 < n:
                     nxt = slots[(j + 1) % self.SLOTS]
-                    reading = self.swap.submit(self._read, j + 1, nxt, self._io_views(j + 1, nxt, with_state=self._started))
+                    reading = self.swap.submit(
+                        self._read, j + 1, nxt, self._io_views(j + 1, nxt, with_state=self._started)
+                    )
                     jobs.append(reading)
                 self._step_one(j, slot, grads[sub.group][sub.lo : sub.hi])
                 self._groups[sub.group].tier.update(sub.lo, sub.hi, slot.master[: sub.numel])

@@ -1,1 +1,1 @@
-"""Traces at any scale: an implementation's real code run on fake tensors in a fake process group (``zbench plan --trace``)."""
+"""Traces at any scale: implementations' real code on fake tensors in a fake process group (``zbench plan --trace``)."""

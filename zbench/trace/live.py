@@ -33,6 +33,7 @@ from __future__ import annotations
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -99,7 +100,7 @@ class LiveBytes(TorchDispatchMode):
             nbytes = storage.nbytes()
             entry = _Storage(nbytes, self._location(t), role)
             self._live[key] = entry
-            self._refs[key] = weakref.ref(storage, lambda ref, key=key: self._forget(key, ref))
+            self._refs[key] = weakref.ref(storage, partial(self._forget, key))
             self.current[(entry.location, role)] += nbytes
             self._update_peak(entry.location)
         elif ROLES.index(role) < ROLES.index(entry.role) and entry.role != HELD:

@@ -1,4 +1,4 @@
-"""``zbench plan --trace``: every implementation x stage x offload mode traced at the user's scale, next to the formulas.
+"""``zbench plan --trace``: every implementation x stage x offload traced at the user's scale, next to the formulas.
 
 One process joins a fake process group of ``gpus`` ranks as rank 0 and runs
 ``trace_case`` for each combination an implementation supports. Each row holds
@@ -31,8 +31,7 @@ TOLERANCE = 0.02
 
 #: Why a category can differ from the formula, by implementation family and category (docs/methods.md#tracing).
 REASONS: dict[tuple[str, str], str] = {
-    ("zero", "parameters"): "flat buffers are padded to a multiple of the world size; each rank holds its "
-    "padded shard",
+    ("zero", "parameters"): "flat buffers are padded to a multiple of the world size; each rank holds its padded shard",
     ("zero", "gradients"): "the engine keeps gradients in its own flat layout (padding, and at stage 1 a full "
     "compute-precision buffer)",
     ("zero", "master_weights"): "padded fp32 shard",
@@ -100,7 +99,7 @@ class TracedRow:
 
 def combinations(implementations: Iterable[str], offloads: Iterable[str]) -> list[tuple[str, int, str]]:
     """(implementation, stage, offload) for every stage and offload mode an implementation declares."""
-    out = []
+    out: list[tuple[str, int, str]] = []
     for name in implementations:
         caps = registry.resolve(name).capabilities
         for stage in sorted(caps.stages):
@@ -111,17 +110,26 @@ def combinations(implementations: Iterable[str], offloads: Iterable[str]) -> lis
 
 
 def make_case(
-    model: str, implementation: str, stage: int, offload: str, *, gpus: int, precision: str, micro_batch: int,
-    seq_len: int, device: str, checkpointing: bool
+    model: str,
+    implementation: str,
+    stage: int,
+    offload: str,
+    *,
+    gpus: int,
+    precision: str,
+    micro_batch: int,
+    seq_len: int,
+    device: str,
+    checkpointing: bool,
 ) -> Case:
     return Case(
         model=model,
         implementation=implementation,
         stage=stage,
         world_size=gpus,
-        precision=precision,  # type: ignore[arg-type]  # validated by Case
-        offload=offload,  # type: ignore[arg-type]
-        device=device,  # type: ignore[arg-type]
+        precision=precision,
+        offload=offload,
+        device=device,
         steps=3,
         warmup_steps=0,
         micro_batch=micro_batch,

@@ -102,7 +102,7 @@ def fake_world(world: int, rank: int = 0, *, backend: str = "nccl") -> Iterator[
     def ddp_with_hook(self: ddp_module.DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
         ddp_init(self, *args, **kwargs)
         self.register_comm_hook(None, _allreduce_bucket)
-        self.reducer = _KeepBuckets(self.reducer)
+        self.reducer = _KeepBuckets(self.reducer)  # type: ignore[assignment]  # a proxy for DDP's Python side
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:

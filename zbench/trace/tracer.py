@@ -84,14 +84,14 @@ def trace_case(case: Case, *, fake: bool, device: torch.device, steps: int = 3) 
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != case.world_size:
         raise ValueError(f"case {case.case_id} is for {case.world_size} ranks, the process group has {world}")
-    result = TraceResult(
-        case.case_id, case.implementation, case.stage, case.offload, world, rank, fake, str(device)
-    )
+    result = TraceResult(case.case_id, case.implementation, case.stage, case.offload, world, rank, fake, str(device))
     comms.install()
     started = time.perf_counter()
     info = model_info(case.model)
     with contextlib.ExitStack() as stack:
-        swap_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="zbench-trace-")) if case.offload == "nvme" else None
+        swap_dir = (
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="zbench-trace-")) if case.offload == "nvme" else None
+        )
         if fake:
             stack.enter_context(_fake_mode())
         live = stack.enter_context(LiveBytes(device))
