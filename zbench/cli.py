@@ -14,7 +14,7 @@ from rich.text import Text
 
 import zbench
 from zbench.errors import UsageError
-from zbench.values import Precision
+from zbench.values import OFFLOAD_MODES, Precision
 
 if TYPE_CHECKING:
     from zbench.regress import CheckResult
@@ -312,7 +312,17 @@ def plan(
         typer.Option(
             "--implementation",
             "-i",
+            metavar="IMPL",
             help="With --trace: implementation to trace (repeatable; default: every built-in).",
+        ),
+    ] = None,
+    offload: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--offload",
+            "-o",
+            metavar="MODE",
+            help="With --trace: offload mode to trace (repeatable; default: every mode each supports).",
         ),
     ] = None,
     micro_batch: Annotated[int, typer.Option(help="With --trace: sequences per rank per step.")] = 1,
@@ -329,6 +339,20 @@ def plan(
             "needed), else cpu (same bytes; the CPU paths of each implementation)."
         ),
     ] = "auto",
+    simulate: Annotated[
+        str | None,
+        typer.Option(
+            "--simulate",
+            metavar="CLUSTER",
+            help="Trace (as --trace does), then predict the step time, tokens/s per GPU, MFU and exposed "
+            "communication on CLUSTER (a built-in profile: h100-sxm, a100-sxm, rtx4090-pcie, cpu-2core; or a "
+            "YAML file) at every --scale.",
+        ),
+    ] = None,
+    scale: Annotated[
+        list[int] | None,
+        typer.Option(help="With --simulate: world size to predict (repeatable; default 8 16 ... 1024)."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Memory per GPU, per host and on disk for every ZeRO stage x offload mode, from the formulas, before running.
@@ -348,14 +372,15 @@ def plan(
         raise UsageError("--gpus, --params and --gpu-memory must be positive")
     if not 0 <= reserve < 1:
         raise UsageError(f"--reserve: {reserve} is not in [0, 1)")
-    if trace:
+    if trace or simulate:
         if model is None:
-            raise UsageError("--trace needs --model (a preset: its shape is what runs)")
+            raise UsageError("--trace and --simulate need --model (a preset: its shape is what runs)")
         _plan_trace(
             model,
             gpus=gpus,
             precision=precision,
             implementations=implementation,
+            offloads=offload,
             micro_batch=micro_batch,
             seq_len=seq_len,
             checkpointing=checkpointing,
@@ -363,6 +388,8 @@ def plan(
             gpu_memory=gpu_memory,
             gpus_per_node=gpus_per_node,
             as_json=as_json,
+            simulate=simulate,
+            scales=scale,
         )
         return
     cfg = PRESETS[model] if model else None
@@ -429,6 +456,7 @@ def _plan_trace(
     gpus: int,
     precision: Precision,
     implementations: list[str] | None,
+    offloads: list[str] | None,
     micro_batch: int,
     seq_len: int | None,
     checkpointing: bool,
@@ -436,8 +464,10 @@ def _plan_trace(
     gpu_memory: float | None,
     gpus_per_node: int | None,
     as_json: bool,
+    simulate: str | None = None,
+    scales: list[int] | None = None,
 ) -> None:
-    """``zbench plan --trace``: trace, then print the table (or JSON)."""
+    """``zbench plan --trace``: trace, then print the table (or JSON); with ``simulate``, the step-time sweep."""
     from zbench.formatting import fmt_bytes
     from zbench.implementations import BUILTIN
     from zbench.presets import PRESETS
@@ -453,7 +483,12 @@ def _plan_trace(
     dev = trace_mod.default_device() if device == "auto" else device
     if dev == "cuda" and not __import__("torch").cuda._is_compiled():
         raise UsageError("--device cuda: this torch is built without CUDA; trace with --device cpu")
-    combos = trace_mod.combinations(names, ("none", "optimizer", "optimizer+params", "nvme"))
+    bad = [o for o in offloads or () if o not in OFFLOAD_MODES]
+    if bad:
+        raise UsageError(f"--offload: unknown {', '.join(bad)}; allowed: {', '.join(OFFLOAD_MODES)}")
+    combos = trace_mod.combinations(names, offloads or OFFLOAD_MODES)
+    if not combos:
+        raise UsageError("nothing to trace: no implementation given supports the offload modes given")
     cases = [
         trace_mod.make_case(
             model,
@@ -469,7 +504,20 @@ def _plan_trace(
         )
         for n, s, o in combos
     ]
+    cluster = None
+    if simulate is not None:
+        from zbench.simulate.cluster import ClusterError, load
+
+        try:
+            cluster = load(simulate)
+        except ClusterError as exc:
+            raise UsageError(f"--simulate: {exc}") from None
+        if any(n < 1 for n in scales or ()):
+            raise UsageError("--scale: world sizes must be positive")
     rows = trace_mod.trace_plan(cases, device=dev, progress=None if as_json else trace_mod.stderr_progress)
+    if cluster is not None:
+        _print_simulation(rows, cluster, scales, as_json=as_json, model=model, gpus=gpus)
+        return
     per_node = gpus_per_node or gpus
     limit = gpu_memory * 2**30 if gpu_memory else None
     if as_json:
@@ -543,6 +591,49 @@ def _plan_trace(
         )
     for line in notes:
         err.print(Text(line))
+
+
+def _print_simulation(
+    rows: list, cluster: object, scales: list[int] | None, *, as_json: bool, model: str, gpus: int
+) -> None:
+    """The ``--simulate`` sweep: tokens/s per GPU at each world size, then the detail at ``--gpus``."""
+    from zbench.simulate.cluster import Cluster
+    from zbench.simulate.sweep import DEFAULT_SCALES, simulate
+
+    assert isinstance(cluster, Cluster)
+    worlds = sorted(set(scales or DEFAULT_SCALES) | {gpus})
+    sims = simulate(rows, cluster, worlds)
+    if as_json:
+        print(
+            json.dumps({"model": model, "cluster": cluster.model_dump(), "rows": [r.to_json() for r in sims]}, indent=1)
+        )
+        return
+    sweep = Table(title=f"{model} on {cluster.description or cluster.name}: predicted tokens/s per GPU")
+    sweep.add_column("implementation")
+    for w in worlds:
+        sweep.add_column(f"{w} GPUs", justify="right")
+    detail = Table(title=f"at {gpus} GPUs ({cluster.efficiency:.0%} of {cluster.peak_tflops:g} TFLOP/s assumed)")
+    for col in ("implementation", "step", "compute", "exposed comm", "offload", "MFU", "comm / compute"):
+        detail.add_column(col, justify="left" if col == "implementation" else "right")
+    notes = []
+    for sim in sims:
+        if not sim.estimates:
+            sweep.add_row(sim.name, *["cannot trace"] * len(worlds))
+            continue
+        sweep.add_row(sim.name, *[f"{e.tokens_per_s_per_gpu:,.0f}" for e in sim.estimates])
+        e = next(e for e in sim.estimates if e.world == gpus)
+        detail.add_row(
+            sim.name, f"{e.step_s * 1e3:,.0f} ms", f"{e.compute_s * 1e3:,.0f} ms", f"{e.exposed_comm_s * 1e3:,.0f} ms",
+            f"{e.offload_s * 1e3:,.0f} ms", f"{e.mfu:.0%}", f"{e.comm_to_compute:.2f}",
+        )  # fmt: skip
+        stop = sim.first_exposed()
+        if stop is not None:
+            notes.append(f"{sim.name}: communication stops hiding behind compute at {stop} GPUs")
+    out = _stdout()
+    out.print(sweep)
+    out.print(detail)
+    for line in notes:
+        out.print(Text(line))
 
 
 @app.command("report")

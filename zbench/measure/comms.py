@@ -42,6 +42,7 @@ _OPS = {
 _lock = threading.Lock()
 _entries: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])  # (op, dtype) -> count, elements, bytes
 _library: torch.library.Library | None = None
+_calls: list[dict] | None = None  # one entry per collective, while ``log_calls`` is on (tracing)
 
 
 def _flatten(arg: Any) -> list[torch.Tensor]:
@@ -80,6 +81,32 @@ def _record(name: str, dtype: torch.dtype, elements: int, nbytes: int) -> None:
         entry[0] += 1
         entry[1] += elements
         entry[2] += nbytes
+        if _calls is not None:
+            _calls.append({"op": name, "bytes": nbytes, "backward": torch._C._current_graph_task_id() != -1})
+
+
+def log_calls(on: bool) -> None:
+    """Also keep every collective, in order, with whether autograd's backward pass issued it (``take_calls``):
+    what the step-time simulator needs to know which compute a collective can hide behind."""
+    global _calls
+    with _lock:
+        _calls = [] if on else None
+
+
+def mark(name: str) -> None:
+    """Put a marker between the logged collectives (the tracer marks where forward and backward end)."""
+    with _lock:
+        if _calls is not None:
+            _calls.append({"mark": name})
+
+
+def take_calls() -> list[dict]:
+    """The collectives (``{op, bytes, backward}``) and markers (``{mark}``) logged since the last call, in order."""
+    with _lock:
+        out = list(_calls or [])
+        if _calls is not None:
+            _calls.clear()
+    return out
 
 
 def install() -> None:

@@ -16,11 +16,13 @@ waiting on a network, not the training step being traced:
   that does what the built-in one does (divide by the world size, all-reduce the
   bucket in place, hand the bucket back) through ``dist.all_reduce``, which the
   communication ledger counts as it counts the built-in hook;
-- before its second step DDP rebuilds its buckets in the order gradients arrived,
-  agreeing on that order across ranks by writing integers into a tensor; a fake
-  tensor has nowhere to write them, so a traced DDP keeps its first buckets (the
-  same gradients in the same bytes, grouped in declaration order; the peak can
-  differ by how one bucket's boundary falls, see docs/methods.md#tracing);
+- DDP's first step runs with one bucket holding every gradient; before its second
+  it rebuilds them (1 MB first, then 25 MB each) in the order gradients arrived,
+  agreeing on that order across ranks by writing integers into a tensor. A fake
+  tensor has nowhere to write them, so a traced DDP gets buckets of the rebuilt
+  sizes from the start, in reverse declaration order (DDP's own approximation of
+  gradient order), and keeps them: the same gradients in the same bytes and about
+  as many all-reduces (a boundary can fall elsewhere, docs/methods.md#tracing);
 - a fake collective is done at once, but its handle's ``is_completed()`` says
   False for ever; an implementation that polls it to free a buffer early (the
   reference engine's gradient buckets) would hold every buffer to the end, so
@@ -55,6 +57,12 @@ def _allreduce_bucket(_state: object, bucket: dist.GradBucket) -> torch.futures.
 # DDP checks the hook's annotation against the class itself, not the string ``from __future__`` leaves
 _allreduce_bucket.__annotations__["bucket"] = dist.GradBucket
 _allreduce_bucket.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+def _rebuilt_bucket_sizes(config: Any, **_: object) -> tuple[list[int], list[int]]:
+    """The bucket caps DDP uses when it rebuilds its buckets, for its first buckets too."""
+    first, cap = config.first_bucket_bytes_cap, config.bucket_bytes_cap
+    return ([first, cap] if first < cap else [cap]), []
 
 
 class _KeepBuckets:
@@ -110,6 +118,7 @@ def fake_world(world: int, rank: int = 0, *, backend: str = "nccl") -> Iterator[
             patched(DeviceMesh, "from_group", staticmethod(real_mesh)),
             patched(ddp_module, "_verify_param_shape_across_processes", lambda *a, **k: None),
             patched(ddp_module.DistributedDataParallel, "__init__", ddp_with_hook),
+            patched(ddp_module._BucketCapacityConfig, "compute_bucket_size_limits", _rebuilt_bucket_sizes),
             patched(dist, "get_backend", lambda group=None: backend),
             patched(dist.Work, "is_completed", lambda self: True),
         ):

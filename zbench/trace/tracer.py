@@ -9,7 +9,9 @@ checked (tests/test_trace.py). Both report the same things the same way:
 - model-state bytes by category and location, from the engine's own
   ``state_bytes`` (what a real run records);
 - every collective of the last step through the communication ledger
-  (``zbench.measure.comms``), as a real run records it;
+  (``zbench.measure.comms``), as a real run records it, and the same calls
+  split by the phase that issued them (forward, backward, after backward),
+  which the step-time simulator needs to know what each can hide behind;
 - the peak of live tensor bytes per location during the last step and what it
   is made of (``zbench.trace.live``).
 
@@ -52,6 +54,9 @@ class TraceResult:
     device: str
     state_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     collectives: list[dict[str, Any]] = field(default_factory=list)
+    phases: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    """``{phase: {op: {"count", "bytes"}}}`` for the last step; phases ``forward``, ``backward``,
+    ``after_backward`` (``phase_of``)."""
     peak: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
     error: str | None = None
@@ -73,6 +78,38 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
+def mark_phases(model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
+    """Mark, in the ledger's call log, where each forward ends (the model returned its loss) and where each
+    backward ends (autograd's queue-callback, queued from the loss's own gradient hook)."""
+
+    def backward_started(grad: torch.Tensor) -> torch.Tensor:
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: comms.mark("backward_end"))
+        return grad
+
+    def forward_ended(_module: torch.nn.Module, _args: object, loss: object) -> None:
+        comms.mark("forward_end")
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.register_hook(backward_started)
+
+    return model.register_forward_hook(forward_ended)
+
+
+def phase_of(calls: list[dict]) -> dict[str, dict[str, dict[str, int]]]:
+    """Bytes and counts per phase and operator: a collective is ``forward`` when the next marker ends a forward,
+    ``backward`` when it ends a backward, ``after_backward`` (the optimizer step) when no marker follows."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    upcoming: str | None = None
+    for call in reversed(calls):
+        if "mark" in call:
+            upcoming = call["mark"]
+            continue
+        phase = {"forward_end": "forward", "backward_end": "backward", None: "after_backward"}[upcoming]
+        entry = out.setdefault(phase, {}).setdefault(call["op"], {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += call["bytes"]
+    return out
+
+
 def _fake_mode() -> contextlib.AbstractContextManager[Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -86,6 +123,7 @@ def trace_case(case: Case, *, fake: bool, device: torch.device, steps: int = 3) 
         raise ValueError(f"case {case.case_id} is for {case.world_size} ranks, the process group has {world}")
     result = TraceResult(case.case_id, case.implementation, case.stage, case.offload, world, rank, fake, str(device))
     comms.install()
+    comms.log_calls(True)
     started = time.perf_counter()
     info = model_info(case.model)
     with contextlib.ExitStack() as stack:
@@ -99,6 +137,7 @@ def trace_case(case: Case, *, fake: bool, device: torch.device, steps: int = 3) 
             model = build(case.model, seed=case.seed, device=device)
             if case.activation_checkpointing:
                 checkpoint_blocks(model)
+            mark_phases(model)
             engine = registry.resolve(case.implementation).build(
                 model, case.train_spec(device, swap_dir=swap_dir), dist.group.WORLD
             )
@@ -112,8 +151,10 @@ def trace_case(case: Case, *, fake: bool, device: torch.device, steps: int = 3) 
                     if step == steps - 1:
                         live.start_step()
                         comms.take()
+                        comms.take_calls()
                     engine.step(micro_batches)
                 result.collectives = comms.take()
+                result.phases = phase_of(comms.take_calls())
                 result.peak = {loc: {"bytes": p.bytes, "roles": p.roles} for loc, p in live.peaks.items()}
                 result.state_bytes = engine.state_bytes()
             finally:
@@ -123,5 +164,6 @@ def trace_case(case: Case, *, fake: bool, device: torch.device, steps: int = 3) 
             if os.environ.get("ZBENCH_TRACE_DEBUG"):
                 traceback.print_exc()
             comms.take()
+    comms.log_calls(False)
     result.seconds = time.perf_counter() - started
     return result
