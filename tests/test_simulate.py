@@ -1,0 +1,122 @@
+"""``zbench plan --simulate``: the alpha-beta model by hand, the overlap rule at its edge, one trace serving a sweep."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from zbench.simulate.cluster import ClusterError, built_in_names, load
+from zbench.simulate.step import collective_seconds, estimate
+
+H100 = load("h100-sxm")
+
+
+def test_ring_all_gather_inside_a_node_by_hand():
+    s = collective_seconds("all_gather", 1e9, 1, 8, H100)
+    assert s == pytest.approx(7 * 3e-6 + 7 / 8 * 1e9 / 450e9)
+
+
+def test_across_nodes_the_network_sets_bandwidth_and_each_node_adds_a_network_hop():
+    s = collective_seconds("reduce_scatter", 1e9, 2, 32, H100)  # 4 nodes: 27 NVLink hops, 4 network hops per pass
+    latency = 2 * (27 * 3e-6 + 4 * 8e-6)
+    assert s == pytest.approx(latency + 31 / 32 * 1e9 / 50e9)
+
+
+def test_all_reduce_takes_the_faster_of_ring_and_tree():
+    many_small = collective_seconds("all_reduce", 1e6, 1000, 1024, H100)
+    tree = 1000 * 2 * (3 * 3e-6 + 7 * 8e-6) + 1e6 / 50e9
+    assert many_small == pytest.approx(tree)  # latency-bound: log-depth tree wins
+    one_big = collective_seconds("all_reduce", 1e10, 1, 16, H100)
+    ring = 2 * (13 * 3e-6 + 2 * 8e-6) + 15 / 16 * 1e10 / 50e9
+    assert one_big == pytest.approx(ring)  # bandwidth-bound: the ring's (p-1)/p wins
+
+
+def test_one_rank_sends_nothing():
+    assert collective_seconds("all_gather", 1e9, 5, 1, H100) == 0.0
+
+
+def _zero3_like(gather_bytes: float, calls: int) -> dict:
+    return {"forward": {"all_gather": {"count": calls, "bytes": int(gather_bytes)}}}
+
+
+@pytest.mark.parametrize("factor, hidden", [(0.9, True), (1.1, False)])
+def test_overlap_hides_forward_gathers_up_to_forward_compute_and_no_further(factor, hidden):
+    """A planted edge: forward gathers whose hideable part is 0.9x / 1.1x forward compute."""
+    cluster = H100.model_copy(update={"overlap": 1.0})
+    flops = 3 * 1e12  # forward = 1e12 FLOPs
+    forward_s = 1e12 / (cluster.peak_tflops * 1e12 * cluster.efficiency)
+    calls = 10
+    one_call = forward_s * factor / (calls - 1)  # every call but the first hides
+    per_call_latency = collective_seconds("all_gather", 0, 1, 8, cluster)
+    gather_bytes = calls * (one_call - per_call_latency) * 450e9 * 8 / 7
+    est = estimate(
+        _zero3_like(gather_bytes, calls), cluster=cluster, world=8, flops_per_step=flops, params=1,
+        stage=3, offload="none", checkpointing=False, tokens_per_step=1,
+    )  # fmt: skip
+    assert est.hides_gathers is hidden
+    exposed_beyond_one_call = est.exposed_comm_s - est.comm_s / calls
+    assert exposed_beyond_one_call == pytest.approx(max(0.0, (factor - 1) * forward_s), rel=1e-6, abs=1e-9)
+    assert est.step_s == pytest.approx(est.compute_s + est.exposed_comm_s)
+
+
+def test_what_comes_after_backward_is_never_hidden():
+    phases = {"after_backward": {"all_gather": {"count": 1, "bytes": 10**9}}}
+    est = estimate(
+        phases, cluster=H100, world=8, flops_per_step=1e15, params=1, stage=1, offload="none",
+        checkpointing=False, tokens_per_step=1,
+    )  # fmt: skip
+    assert est.exposed_comm_s == pytest.approx(est.comm_s) and est.comm_s > 0
+
+
+def test_offload_adds_host_step_and_pcie_time():
+    kw = dict(cluster=H100, world=8, flops_per_step=1e12, params=8 * 10**9, stage=2, checkpointing=False,
+              tokens_per_step=1)  # fmt: skip
+    plain, off = estimate({}, offload="none", **kw), estimate({}, offload="optimizer", **kw)
+    shard = 10**9
+    assert off.offload_s == pytest.approx(8 * shard / 50e9 + shard / 1e8)
+    assert off.step_s == pytest.approx(plain.step_s + off.offload_s)
+
+
+def test_cluster_files_are_checked(tmp_path):
+    assert {"h100-sxm", "a100-sxm", "rtx4090-pcie"} <= set(built_in_names())
+    bad = tmp_path / "c.yaml"
+    bad.write_text(H100.model_dump_json().replace('"peak_tflops":989.0', '"peak_tflops":-1'))
+    with pytest.raises(ClusterError, match="peak_tflops"):
+        load(str(bad))
+    with pytest.raises(ClusterError, match="unknown cluster"):
+        load("nope")
+
+
+def test_simulate_cli_sweeps_from_one_trace_and_says_where_hiding_stops(cli, tmp_path):
+    own = tmp_path / "mine.yaml"
+    own.write_text(H100.model_copy(update={"name": "mine", "inter_node": H100.inter_node}).model_dump_json())
+    r = cli("plan", "--simulate", str(own), "--model", "tiny", "-i", "zero3", "-i", "ddp", "-o", "none",
+            "--scale", "8", "--scale", "1024", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = {row["implementation"]: row for row in json.loads(r.stdout)["rows"]}
+    for row in rows.values():
+        assert row["error"] is None and row["traced_at"] == 8
+        at = {e["world"]: e for e in row["estimates"]}
+        assert at[1024]["tokens_per_s_per_gpu"] < at[8]["tokens_per_s_per_gpu"]
+        assert math.isclose(at[8]["step_s"], at[8]["compute_s"] + at[8]["exposed_comm_s"] + at[8]["offload_s"])
+    assert rows["zero3"]["stops_hiding_at"] in (8, 1024)  # tiny: latency-bound, gathers cannot hide
+
+
+def test_one_trace_serves_every_world_size(cli):
+    """The per-rank volumes a trace records do not depend on the world size: traced at 8 and at 64, the
+    predictions at 1,024 agree (within the flat buffers' padding)."""
+    preds = []
+    for gpus in ("8", "64"):
+        r = cli("plan", "--simulate", "h100-sxm", "--model", "tiny", "-i", "zero3", "-o", "none", "--gpus", gpus,
+                "--scale", "1024", "--json")  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        est = {e["world"]: e for e in json.loads(r.stdout)["rows"][0]["estimates"]}
+        preds.append(est[1024]["step_s"])
+    assert preds[0] == pytest.approx(preds[1], rel=0.02)
+
+
+def test_simulate_bad_input(cli):
+    r = cli("plan", "--simulate", "nope", "--model", "tiny")
+    assert r.returncode == 2 and "unknown cluster" in r.stderr
