@@ -33,8 +33,8 @@ class Block(nn.Module):
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
         self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, cfg.mlp_ratio * d)
-        self.out = nn.Linear(cfg.mlp_ratio * d, d)
+        self.fc = nn.Linear(d, cfg.ffn_hidden)
+        self.out = nn.Linear(cfg.ffn_hidden, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape

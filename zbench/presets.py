@@ -19,6 +19,8 @@ class GPTConfig:
     mlp_ratio: int = 4
     tie_embeddings: bool = False
     """The output head reuses the token embedding's weight (GPT-2, Llama-style): one tensor, two uses."""
+    ffn: int | None = None
+    """The MLP's hidden width, when it is not ``mlp_ratio x d_model``."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
@@ -29,13 +31,17 @@ class GPTConfig:
         return self.d_model // self.heads
 
     @property
+    def ffn_hidden(self) -> int:
+        return self.ffn or self.mlp_ratio * self.d_model
+
+    @property
     def embedding_parameters(self) -> int:
         return (self.vocab + self.seq) * self.d_model
 
     @property
     def block_parameters(self) -> int:
         """Parameters of one transformer block (two layer norms, attention, MLP)."""
-        d, h = self.d_model, self.mlp_ratio * self.d_model
+        d, h = self.d_model, self.ffn_hidden
         attention = d * 3 * d + 3 * d + d * d + d
         mlp = d * h + h + h * d + d
         return 2 * (2 * d) + attention + mlp
@@ -75,6 +81,10 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt-13b": GPTConfig(layers=40, d_model=5120, heads=40, vocab=50304, seq=2048),
     "gpt-30b": GPTConfig(layers=48, d_model=7168, heads=56, vocab=50304, seq=2048),
     "gpt-70b": GPTConfig(layers=87, d_model=8192, heads=64, vocab=50304, seq=2048),
+    # Llama 3.1 8B's size in this GPT: its layers, width, heads, vocabulary and context, and its parameter
+    # count (8.07B vs 8.03B: a GELU MLP of 18,432 holds what SwiGLU's three 14,336-wide matrices hold, full
+    # attention heads where Llama shares K/V, learned positions). For comparing with published Llama figures.
+    "llama3-8b-size": GPTConfig(layers=32, d_model=4096, heads=32, vocab=128256, seq=8192, ffn=18432),
 }
 
 
