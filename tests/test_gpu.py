@@ -76,3 +76,17 @@ def test_nvml_sampler_reads_this_gpu():
     out = sampler.stop()
     assert out["available"] and out["peak_used_bytes"] >= x.numel() * 4
     assert out["samples"] > 0
+
+
+def test_trace_on_fake_cuda_tensors_matches_the_formulas():
+    """``zbench plan --trace --device cuda``: the implementations' CUDA branches (streams, pinned buffers) traced
+    on fake CUDA tensors, which a CUDA build of torch allows (a CPU-only build traces on fake CPU tensors)."""
+    r = zbench("plan", "--trace", "--model", "small", "--gpus", "8", "--device", "cuda", "-o", "none",
+               "-o", "optimizer", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for row in json.loads(r.stdout)["rows"]:
+        assert row["trace"]["error"] is None, row["name"]
+        assert row["trace"]["device"].startswith("cuda")
+        traced = sum(sum(v.values()) for v in row["trace"]["state_bytes"].values())
+        formula = sum(sum(v.values()) for v in row["formula"].values())
+        assert traced == pytest.approx(formula, rel=0.05) or row["differences"], row["name"]

@@ -48,7 +48,8 @@ def located(data: dict, where: str) -> float:
 
 def table(runs: list[dict]) -> str:
     lines = [
-        "| model | ranks | implementation | states per GPU, traced (GiB) | formula (GiB) | difference | live peak (GiB) |",
+        "| model | ranks | implementation | states per GPU, traced (GiB) | formula (GiB) | difference "
+        "| live peak (GiB) |",
         "|---|---|---|---|---|---|---|",
     ]
     for run in runs:

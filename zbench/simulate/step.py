@@ -125,9 +125,9 @@ def estimate(
         exposed_comm_s=exposed,
         offload_s=off,
         step_s=step,
-        tokens_per_s_per_gpu=tokens_per_step / step,
-        mfu=flops_per_step / step / (cluster.peak_tflops * 1e12),
-        comm_to_compute=comm / compute,
+        tokens_per_s_per_gpu=tokens_per_step / step if step else float("inf"),
+        mfu=flops_per_step / step / (cluster.peak_tflops * 1e12) if step else 0.0,
+        comm_to_compute=comm / compute if compute else float("inf"),
         hides_gathers=hid_f and hid_b,
         phase_comm_s=per_phase,
     )

@@ -1,0 +1,94 @@
+"""The simulator against real CPU runs: predict each stored case's step time and compare with what it measured.
+
+On a CPU there is no peak to take a share of, so compute is *measured*: the reference DDP case of the same
+group gives forward, backward and optimizer times (its backward less the all-reduce the model predicts for
+it, since DDP's backward includes that). Each case is then traced (fake tensors, a fake group mirroring
+gloo, at its world size) and its step predicted as forward + backward + its exposed communication at the
+bus bandwidth the run itself probed + the optimizer time shared over the ranks that shard it. gloo on a
+loaded 2-core machine runs beside compute poorly, so nothing is assumed hidden (``overlap`` 0) except
+what the trace puts after nothing. DDP's own prediction equals its measurement by construction and is
+left out of the errors; what is checked is every other implementation's communication and structure.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zbench.case import Case
+from zbench.simulate.cluster import Cluster, Link
+from zbench.simulate.step import estimate
+from zbench.trace.plan import TracedRow
+
+#: gloo's per-hop latency on one host (TCP over loopback), microseconds; an assumption, see docs/methods.md.
+GLOO_LATENCY_US = 50.0
+
+
+def cpu_cluster(bus_bandwidth_bytes_per_s: float, world: int) -> Cluster:
+    """One host whose ranks talk over gloo at the probed bandwidth; compute comes from measurements."""
+    link = Link(bandwidth_gb_s=bus_bandwidth_bytes_per_s / 1e9, latency_us=GLOO_LATENCY_US)
+    return Cluster(
+        name="cpu-run", gpu="CPU", peak_tflops=1.0, memory_gib=1.0, efficiency=1.0, gpus_per_node=max(world, 1),
+        intra_node=link, inter_node=link, pcie_gb_s=1e3, nvme_gb_s_per_node=1e3, host_adam_params_per_s=1e12,
+        overlap=0.0,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Prediction:
+    case_id: str
+    implementation: str
+    world: int
+    measured_s: float
+    predicted_s: float
+    comm_s: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+
+def load_cases(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "cases").glob("*.json"))]
+
+
+def predict(records: list[dict[str, Any]], traced: dict[str, TracedRow]) -> list[Prediction]:
+    """Every ok, traced case of a run that has an ok DDP reference in its group."""
+    by_id = {r["case_id"]: r for r in records}
+    out = []
+    for record in records:
+        row = traced.get(record["case_id"])
+        ref = by_id.get((record.get("equivalence") or {}).get("reference_case") or "")
+        if record["status"] != "ok" or row is None or row.trace.error or ref is None or ref["status"] != "ok":
+            continue
+        case, world = row.case, row.case.world_size
+        ref_row = traced.get(ref["case_id"])
+        if ref_row is None or ref_row.trace.error:
+            continue
+        cluster = cpu_cluster(record["comms"]["bus_bandwidth_bytes_per_s"] or 1e9, world)
+        kw: dict[str, Any] = dict(cluster=cluster, world=world, flops_per_step=0.0, params=1, stage=case.stage,
+                                  offload="none", checkpointing=False, tokens_per_step=1)  # fmt: skip
+        ref_comm = estimate(ref_row.trace.phases, **kw).exposed_comm_s
+        phases = ref["phases"]
+        forward = phases["forward_s"]
+        backward = max(0.0, phases["backward_s"] - ref_comm)
+        optimizer = (phases["optimizer_s"] or 0.0) / (world if case.stage >= 1 else 1)
+        comm = estimate(row.trace.phases, **kw).exposed_comm_s
+        measured = record["summary"]["step_time_median_s"]
+        predicted = forward + backward + comm + optimizer
+        out.append(Prediction(case.case_id, case.implementation, world, measured, predicted, comm))
+    return out
+
+
+def summary(predictions: list[Prediction]) -> dict[str, float]:
+    errors = [abs(p.error) for p in predictions if p.implementation != "ddp"]
+    if not errors:
+        return {}
+    return {"cases": len(errors), "median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
+
+
+def case_of(record: dict[str, Any]) -> Case:
+    return Case.model_validate(record["config"])
