@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from zbench.simulate.measured import case_of, load_cases, predict, summary
+from zbench.record import CaseRecord
+from zbench.simulate.measured import predict, summary
+from zbench.store import RunDir
 from zbench.trace.plan import TracedRow
 from zbench.trace.shims import fake_world
 from zbench.trace.tracer import trace_case
@@ -50,13 +52,13 @@ def run_suite(tmp: Path) -> Path:
     return next(results.iterdir())
 
 
-def trace_all(records: list[dict]) -> dict[str, TracedRow]:
+def trace_all(records: list[CaseRecord]) -> dict[str, TracedRow]:
     traced: dict[str, TracedRow] = {}
-    for world in sorted({r["config"]["world_size"] for r in records}):
+    for world in sorted({r.config.world_size for r in records}):
         with fake_world(world, backend="gloo"):
             for record in records:
-                if record["config"]["world_size"] == world and record["status"] == "ok":
-                    case = case_of(record)
+                if record.config.world_size == world and record.status == "ok":
+                    case = record.config
                     traced[case.case_id] = TracedRow(case, trace_case(case, fake=True, device=torch.device("cpu")))
     return traced
 
@@ -68,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run = args.results or run_suite(Path(tmp))
-        records = load_cases(run)
+        records = RunDir(run.parent, run.name).cases()
         predictions = predict(records, trace_all(records))
     print("| case | measured (ms) | predicted (ms) | of which communication (ms) | error |")
     print("|---|---|---|---|---|")

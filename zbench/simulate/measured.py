@@ -12,13 +12,11 @@ left out of the errors; what is checked is every other implementation's communic
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from zbench.case import Case
+from zbench.record import CaseRecord
 from zbench.simulate.cluster import Cluster, Link
 from zbench.simulate.step import estimate
 from zbench.trace.plan import TracedRow
@@ -51,35 +49,31 @@ class Prediction:
         return (self.predicted_s - self.measured_s) / self.measured_s
 
 
-def load_cases(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted((run_dir / "cases").glob("*.json"))]
-
-
-def predict(records: list[dict[str, Any]], traced: dict[str, TracedRow]) -> list[Prediction]:
+def predict(records: list[CaseRecord], traced: dict[str, TracedRow]) -> list[Prediction]:
     """Every ok, traced case of a run that has an ok DDP reference in its group."""
-    by_id = {r["case_id"]: r for r in records}
+    by_id = {r.case_id: r for r in records}
     out = []
     for record in records:
-        row = traced.get(record["case_id"])
-        ref = by_id.get((record.get("equivalence") or {}).get("reference_case") or "")
-        if record["status"] != "ok" or row is None or row.trace.error or ref is None or ref["status"] != "ok":
+        row = traced.get(record.case_id)
+        ref = by_id.get(record.equivalence.reference_case or "") if record.equivalence else None
+        if record.status != "ok" or row is None or row.trace.error or ref is None or ref.status != "ok":
+            continue
+        ref_row = traced.get(ref.case_id)
+        if ref_row is None or ref_row.trace.error or ref.phases is None or record.comms is None:
             continue
         case, world = row.case, row.case.world_size
-        ref_row = traced.get(ref["case_id"])
-        if ref_row is None or ref_row.trace.error:
-            continue
-        cluster = cpu_cluster(record["comms"]["bus_bandwidth_bytes_per_s"] or 1e9, world)
+        cluster = cpu_cluster(record.comms.bus_bandwidth_bytes_per_s or 1e9, world)
         kw: dict[str, Any] = dict(cluster=cluster, world=world, flops_per_step=0.0, params=1, stage=case.stage,
                                   offload="none", checkpointing=False, tokens_per_step=1)  # fmt: skip
         ref_comm = estimate(ref_row.trace.phases, **kw).exposed_comm_s
-        phases = ref["phases"]
-        forward = phases["forward_s"]
-        backward = max(0.0, phases["backward_s"] - ref_comm)
-        optimizer = (phases["optimizer_s"] or 0.0) / (world if case.stage >= 1 else 1)
+        forward = ref.phases.forward_s or 0.0
+        backward = max(0.0, (ref.phases.backward_s or 0.0) - ref_comm)
+        optimizer = (ref.phases.optimizer_s or 0.0) / (world if case.stage >= 1 else 1)
         comm = estimate(row.trace.phases, **kw).exposed_comm_s
-        measured = record["summary"]["step_time_median_s"]
-        predicted = forward + backward + comm + optimizer
-        out.append(Prediction(case.case_id, case.implementation, world, measured, predicted, comm))
+        measured = record.summary.step_time_median_s or 0.0
+        out.append(
+            Prediction(case.case_id, case.implementation, world, measured, forward + backward + comm + optimizer, comm)
+        )
     return out
 
 
@@ -88,7 +82,3 @@ def summary(predictions: list[Prediction]) -> dict[str, float]:
     if not errors:
         return {}
     return {"cases": len(errors), "median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
-
-
-def case_of(record: dict[str, Any]) -> Case:
-    return Case.model_validate(record["config"])
