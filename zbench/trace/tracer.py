@@ -15,6 +15,9 @@ checked (tests/test_trace.py). Both report the same things the same way:
 - the peak of live tensor bytes per location during the last step and what it
   is made of (``zbench.trace.live``).
 
+A case that cannot be traced records its error in one line and the others go on;
+``ZBENCH_TRACE_DEBUG=1`` prints its traceback too.
+
 The first step creates the optimizer's state, before the second DDP re-orders
 its buckets (a one-time broadcast); the third, the steady state, is measured.
 """
