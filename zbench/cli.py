@@ -573,7 +573,7 @@ def _plan_trace(
             fmt_bytes(r.located("host", "formula")),
             fmt_bytes(r.located("disk")),
             fmt_bytes(peak),
-            f"{top} {roles.get(top, 0) / peak:.0%}" if peak else "-",
+            f"{top} {roles.get(top, 0) / r.peak('device'):.0%} of the live peak" if peak else "-",
             fmt_bytes(r.trace.comm_bytes),
             fmt_bytes(r.located("host") * per_node),
             "-" if limit is None else ("yes" if peak <= limit else "NO"),
