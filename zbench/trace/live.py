@@ -48,6 +48,7 @@ BACKWARD = "backward temporaries"
 OTHER = "other temporaries"
 ROLES = (HELD, GATHERED, COMM, ACTIVATIONS, BACKWARD, OTHER)
 
+_RESIZES = {torch.ops.aten.resize_.default, torch.ops.aten.set_.source_Storage}
 _GATHERS = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"}
 
 
@@ -108,17 +109,16 @@ class LiveBytes(TorchDispatchMode):
             entry.role = role
             self.current[(entry.location, role)] += entry.nbytes
 
-    def resync(self) -> None:
-        """Re-read every storage's size: FSDP2 frees and re-allocates its gathered parameters by resizing
-        their storage (``untyped_storage().resize_``), which no operator reports. Done before each
-        collective, where those storages are filled."""
-        for key, ref in self._refs.items():
-            storage = ref()
-            entry = self._live[key]
-            nbytes = storage.nbytes() if storage is not None else entry.nbytes
-            if nbytes != entry.nbytes:
-                self.current[(entry.location, entry.role)] += nbytes - entry.nbytes
-                entry.nbytes = nbytes
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage changed size in place: FSDP2 frees and re-allocates its gathered parameters that way
+        (``untyped_storage().resize_``), which no operator output reports."""
+        entry = self._live.get(storage._cdata)
+        if entry is None:
+            return
+        nbytes = storage.nbytes()
+        self.current[(entry.location, entry.role)] += nbytes - entry.nbytes
+        entry.nbytes = nbytes
+        self._update_peak(entry.location)
 
     def _update_peak(self, location: str) -> None:
         total = sum(b for (loc, _), b in self.current.items() if loc == location)
@@ -154,25 +154,34 @@ class LiveBytes(TorchDispatchMode):
 
     def __enter__(self) -> LiveBytes:
         self._saved_hooks.__enter__()
+        storage_resize = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+            out = storage_resize(storage, size)
+            self.resized(storage)
+            return out
+
+        self._storage_resize = storage_resize
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]  # restored in __exit__
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._storage_resize  # type: ignore[method-assign]
         self._saved_hooks.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         collective = func.namespace == "c10d"
         if collective:  # what a collective fills or sends is a buffer, whoever made it
-            self.resync()
             gather = func._opname in _GATHERS
             for i, arg in enumerate(args):
                 for t in tree_leaves(arg):
                     if isinstance(t, torch.Tensor):
                         self.track(t, GATHERED if gather and i == 0 else COMM)
-            for location in {e.location for e in self._live.values()}:
-                self._update_peak(location)
         out = func(*args, **kwargs)
+        if func in _RESIZES:
+            self.resized(args[0].untyped_storage())
         if not collective:
             role = BACKWARD if torch._C._current_graph_task_id() != -1 else OTHER
             for t in tree_leaves(out):
