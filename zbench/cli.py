@@ -481,7 +481,7 @@ def _plan_trace(
     if micro_batch < 1 or not 1 <= seq <= PRESETS[model].seq:
         raise UsageError(f"--micro-batch must be >= 1 and --seq-len in 1..{PRESETS[model].seq}")
     dev = trace_mod.default_device() if device == "auto" else device
-    if dev == "cuda" and not __import__("torch").cuda._is_compiled():
+    if dev == "cuda" and not trace_mod.cuda_traceable():
         raise UsageError("--device cuda: this torch is built without CUDA; trace with --device cpu")
     bad = [o for o in offloads or () if o not in OFFLOAD_MODES]
     if bad:

@@ -121,7 +121,7 @@ class LiveBytes(TorchDispatchMode):
         self._update_peak(entry.location)
 
     def _update_peak(self, location: str) -> None:
-        total = sum(b for (loc, _), b in self.current.items() if loc == location)
+        total = self.live_bytes(location)
         peak = self.peaks.setdefault(location, Peak())
         if total > peak.bytes:
             peak.bytes = total

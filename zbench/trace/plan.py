@@ -147,9 +147,15 @@ def make_case(
     )
 
 
+def cuda_traceable() -> bool:
+    """Fake CUDA tensors need a torch built with CUDA (no GPU needed): a CPU-only torch's autograd asks the
+    CUDA runtime for streams in backward."""
+    return torch.cuda._is_compiled()
+
+
 def default_device() -> str:
-    """Fake CUDA tensors need a torch built with CUDA (no GPU needed); a CPU-only torch traces on fake CPU tensors."""
-    return "cuda" if torch.cuda._is_compiled() else "cpu"
+    """cuda where fake CUDA tensors can be traced, else fake CPU tensors stand in for the device."""
+    return "cuda" if cuda_traceable() else "cpu"
 
 
 def trace_plan(
