@@ -291,6 +291,41 @@ def test_report_command_rerenders(suite_run, tmp_path):
     assert (tmp_path / "index.html").stat().st_size > 100_000
 
 
+def test_report_simulate_stores_predictions_beside_the_run_and_shows_them(suite_run, tmp_path):
+    """`report --simulate` traces every finished case, predicts its step time, stores simulation.json, renders it."""
+    import shutil
+
+    _, _, run_dir = suite_run
+    copy = tmp_path / "results"
+    shutil.copytree(run_dir.parent, copy, ignore=shutil.ignore_patterns("*.pt"))
+    result = zbench("report", str(copy), "--report", str(tmp_path / "rep"), "--simulate")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "simulated" in result.stderr and "|error| median" in result.stderr
+    sim = json.loads((copy / run_dir.name / "simulation.json").read_text())
+    records = {p.stem: json.loads(p.read_text()) for p in (copy / run_dir.name / "cases").glob("*.json")}
+    predicted = {p["case_id"]: p for p in sim["predictions"]}
+    assert {"tiny-fsdp-s3-w2-fp32-none", "tiny-torch_zero-s1-w2-fp32-none"} <= set(predicted)
+    for case_id, p in predicted.items():
+        assert p["measured_s"] == records[case_id]["summary"]["step_time_median_s"]
+        assert p["predicted_s"] > 0 and p["comm_s"] >= 0
+        assert p["error"] == pytest.approx((p["predicted_s"] - p["measured_s"]) / p["measured_s"])
+    not_ok = {cid for cid, r in records.items() if r["status"] != "ok"}
+    assert not_ok and not_ok <= set(sim["not_predicted"])
+    assert all(sim["not_predicted"][cid].startswith("case ") for cid in not_ok)
+    errors = [abs(p["error"]) for p in predicted.values() if p["implementation"] != "ddp"]
+    assert sim["worst_abs_error"] == pytest.approx(max(errors))
+
+    # A plain re-render shows the stored simulation too: it lives beside the run.
+    assert zbench("report", str(copy), "--report", str(tmp_path / "plain")).returncode == 0
+    for page in (tmp_path / "rep" / "index.html", tmp_path / "plain" / "index.html"):
+        html = page.read_text()
+        assert "Simulated step time vs measured" in html
+        fsdp = predicted["tiny-fsdp-s3-w2-fp32-none"]
+        assert f"{100 * fsdp['error']:+.0f}%" in html
+    # The run's own report, rendered before any simulation existed, has no such section.
+    assert "Simulated step time" not in (suite_run[1] / "report" / "index.html").read_text()
+
+
 def test_resume_runs_only_missing_cases(suite_run, tmp_path):
     _, tmp, run_dir = suite_run
     import shutil

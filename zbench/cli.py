@@ -641,6 +641,15 @@ def report_cmd(
     results_arg: ResultsArg = None,
     results: ResultsOpt = None,
     report: ReportOpt = Path("reports"),
+    simulate: Annotated[
+        bool,
+        typer.Option(
+            "--simulate",
+            help="First trace every case of the run on fake tensors and predict its step time with the simulator "
+            "(compute from the DDP reference's measured phases, communication alpha-beta at the run's probed "
+            "bandwidth); stored as <run>/simulation.json and shown in the report beside the measured times.",
+        ),
+    ] = False,
 ) -> None:
     """Re-render the HTML report from stored results: the newest run under RESULTS, with trends over earlier runs."""
     from zbench.report import render
@@ -650,8 +659,16 @@ def report_cmd(
     run = latest_run(root)
     if run is None:
         raise UsageError(f"{root}: no runs found (expected <dir>/<run-id>/run.json)")
+    err = Console(stderr=True, highlight=False)
+    if simulate:
+        from zbench.simulate.measured import simulate_run
+
+        sim = simulate_run(run, progress=lambda line: err.print(Text(line)))
+        worst = f"{sim.worst_abs_error:.0%}" if sim.worst_abs_error is not None else "-"
+        median = f"{sim.median_abs_error:.0%}" if sim.median_abs_error is not None else "-"
+        err.print(Text(f"simulated {len(sim.predictions)} cases: |error| median {median}, worst {worst}"))
     page = render(run, report, results_root=root)
-    Console(stderr=True, highlight=False).print(Text(f"report: {page} (run {run.run_id})"))
+    err.print(Text(f"report: {page} (run {run.run_id})"))
 
 
 @app.command("list")

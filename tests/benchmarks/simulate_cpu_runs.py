@@ -17,14 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-from zbench.record import CaseRecord
-from zbench.simulate.measured import predict, summary
+from zbench.simulate.measured import predict, summary, trace_records
 from zbench.store import RunDir
-from zbench.trace.plan import TracedRow
-from zbench.trace.shims import fake_world
-from zbench.trace.tracer import trace_case
 
 SUITE = """
 name: simulate-cpu
@@ -52,17 +46,6 @@ def run_suite(tmp: Path) -> Path:
     return next(results.iterdir())
 
 
-def trace_all(records: list[CaseRecord]) -> dict[str, TracedRow]:
-    traced: dict[str, TracedRow] = {}
-    for world in sorted({r.config.world_size for r in records}):
-        with fake_world(world, backend="gloo"):
-            for record in records:
-                if record.config.world_size == world and record.status == "ok":
-                    case = record.config
-                    traced[case.case_id] = TracedRow(case, trace_case(case, fake=True, device=torch.device("cpu")))
-    return traced
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, help="a stored run's directory (default: run the suite)")
@@ -71,7 +54,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run = args.results or run_suite(Path(tmp))
         records = RunDir(run.parent, run.name).cases()
-        predictions = predict(records, trace_all(records))
+        predictions = predict(records, trace_records(records))
     print("| case | measured (ms) | predicted (ms) | of which communication (ms) | error |")
     print("|---|---|---|---|---|")
     for p in predictions:
@@ -80,7 +63,7 @@ def main() -> None:
     stats = summary(predictions)
     print(json.dumps(stats))
     if args.out:
-        args.out.write_text(json.dumps({"summary": stats, "cases": [p.__dict__ for p in predictions]}, indent=1))
+        args.out.write_text(json.dumps({"summary": stats, "cases": [p.model_dump() for p in predictions]}, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from zbench.equivalence import BOUNDS
 from zbench.formatting import fmt_bytes, fmt_ratio, fmt_seconds, status_text
 from zbench.history import case_history, runs_like
 from zbench.report import charts
+from zbench.simulate.run_file import load_simulation
 from zbench.store import RunDir
 from zbench.values import STATUSES
 
@@ -52,6 +53,7 @@ def render(run: RunDir, report_dir: Path, *, results_root: Path | None = None) -
         trend=Markup(charts.trend_chart(series)) if series else "",
         history_runs=len(runs),
         regressions=[(case_id, p) for case_id, points in series.items() for p in points if p.regressed],
+        simulation=load_simulation(run),
         plotly_js=_plotly_js() if has_ok or series else "",
     )
     out = Path(report_dir) / "index.html"

@@ -13,12 +13,15 @@ left out of the errors; what is checked is every other implementation's communic
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
+from zbench.atomic import atomic_write_json
 from zbench.record import CaseRecord
 from zbench.simulate.cluster import Cluster, Link
+from zbench.simulate.run_file import SIMULATION_FILE, Prediction, RunSimulation
 from zbench.simulate.step import estimate
+from zbench.store import RunDir, now
 from zbench.trace.plan import TracedRow
 
 #: gloo's per-hop latency on one host (TCP over loopback), microseconds; an assumption, see docs/methods.md.
@@ -33,20 +36,6 @@ def cpu_cluster(bus_bandwidth_bytes_per_s: float, world: int) -> Cluster:
         intra_node=link, inter_node=link, pcie_gb_s=1e3, nvme_gb_s_per_node=1e3, host_adam_params_per_s=1e12,
         overlap=0.0,
     )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Prediction:
-    case_id: str
-    implementation: str
-    world: int
-    measured_s: float
-    predicted_s: float
-    comm_s: float
-
-    @property
-    def error(self) -> float:
-        return (self.predicted_s - self.measured_s) / self.measured_s
 
 
 def predict(records: list[CaseRecord], traced: dict[str, TracedRow]) -> list[Prediction]:
@@ -72,8 +61,11 @@ def predict(records: list[CaseRecord], traced: dict[str, TracedRow]) -> list[Pre
         comm = estimate(row.trace.phases, **kw).exposed_comm_s
         measured = record.summary.step_time_median_s or 0.0
         out.append(
-            Prediction(case.case_id, case.implementation, world, measured, forward + backward + comm + optimizer, comm)
-        )
+            Prediction(
+                case_id=case.case_id, implementation=case.implementation, world=world, measured_s=measured,
+                predicted_s=forward + backward + comm + optimizer, comm_s=comm,
+            )
+        )  # fmt: skip
     return out
 
 
@@ -82,3 +74,56 @@ def summary(predictions: list[Prediction]) -> dict[str, float]:
     if not errors:
         return {}
     return {"cases": len(errors), "median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
+
+
+METHOD = (
+    "compute measured from each group's DDP reference; communication traced on fake tensors and timed "
+    f"alpha-beta at the run's probed gloo bandwidth with a {GLOO_LATENCY_US:.0f} us hop; nothing hidden"
+)
+
+
+def trace_records(
+    records: list[CaseRecord], progress: Callable[[str], None] = lambda _: None
+) -> dict[str, TracedRow]:
+    """Trace every finished case at its own world size, in a fake group that mirrors gloo, on fake CPU tensors."""
+    import torch
+
+    from zbench.trace.shims import fake_world
+    from zbench.trace.tracer import trace_case
+
+    traced: dict[str, TracedRow] = {}
+    for world in sorted({r.config.world_size for r in records}):
+        with fake_world(world, backend="gloo"):
+            for record in records:
+                if record.config.world_size == world and record.status == "ok":
+                    progress(f"tracing {record.case_id}")
+                    case = record.config
+                    traced[case.case_id] = TracedRow(case, trace_case(case, fake=True, device=torch.device("cpu")))
+    return traced
+
+
+def simulate_run(run: RunDir, progress: Callable[[str], None] = lambda _: None) -> RunSimulation:
+    """Trace and predict every case of ``run`` and store the result beside it (atomically)."""
+    records = run.cases()
+    traced = trace_records(records, progress)
+    predictions = predict(records, traced)
+    done = {p.case_id for p in predictions}
+    missing = {r.case_id: _why_not(r, traced.get(r.case_id)) for r in records if r.case_id not in done}
+    stats = summary(predictions)
+    result = RunSimulation(
+        created_at=now(), predictions=predictions, not_predicted=missing,
+        median_abs_error=stats.get("median_abs_error"), worst_abs_error=stats.get("worst_abs_error"), method=METHOD,
+    )  # fmt: skip
+    atomic_write_json(run.path / SIMULATION_FILE, result.model_dump(mode="json"))
+    return result
+
+
+def _why_not(record: CaseRecord, row: TracedRow | None) -> str:
+    if record.status != "ok":
+        return f"case {record.status}"
+    if row is None or row.trace.error:
+        return f"cannot trace: {row.trace.error}" if row else "not traced"
+    eq = record.equivalence
+    if eq is None or not eq.reference_case:
+        return "no DDP reference in its group (compute is taken from the reference's measured phases)"
+    return "its DDP reference has no phase times or the case no communication record"
