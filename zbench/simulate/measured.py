@@ -82,9 +82,7 @@ METHOD = (
 )
 
 
-def trace_records(
-    records: list[CaseRecord], progress: Callable[[str], None] = lambda _: None
-) -> dict[str, TracedRow]:
+def trace_records(records: list[CaseRecord], progress: Callable[[str], None] = lambda _: None) -> dict[str, TracedRow]:
     """Trace every finished case at its own world size, in a fake group that mirrors gloo, on fake CPU tensors."""
     import torch
 
