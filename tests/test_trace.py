@@ -5,12 +5,14 @@ every built-in implementation and offload mode at ``tiny`` and a subset at ``sma
 traces the same cases on fake tensors in a fake group of 2 that mirrors gloo. Then per case:
 
 - model-state bytes (by category and location) and the communication volume of a step are equal;
-- the peak of live tensor bytes is within 2% where it does not depend on when the network finishes
-  (DDP, torch's ZeroRedundancyOptimizer, ZeRO-1, whose buffers are freed at a fixed point); where an
-  implementation frees a buffer as soon as a poll says its collective is done (ZeRO-2/3's buckets,
-  FSDP2), the real peak moves with the timing of gloo's threads and the trace, whose collectives are
-  done at once, reads the lower end: between 75% and 102% of the real peak (measured: 83-100%,
-  docs/methods.md#tracing).
+- the peak of live tensor bytes is within 2%, the real group running on the trace's schedule
+  (``instant_network``: a collective's first poll waits for it, as a fake collective is done at once;
+  without it ZeRO-2/3 free a bucket when a poll finds it done, and the real peak moves with gloo's
+  threads), except FSDP2's, within 10% below: FSDP2 calls ``reduce_scatter_tensor`` and
+  ``all_gather_into_tensor`` directly, and gloo runs them through a scratch buffer of the input's size
+  that surfaces on the calling thread (measured: 100,000 bytes for a 100,000-byte input), memory a fake
+  group, and NCCL, do not use;
+- on free-running gloo (no patch) the trace is the lower end of the real peak: 75% to 102% of it.
 
 And the CLI end to end: every built-in traces at 8 ranks, traced states next to the formula.
 """
@@ -57,16 +59,19 @@ def run_real(world: int, rank: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
+    from zbench.trace.shims import instant_network
     from zbench.trace.tracer import trace_case
 
     dist.init_process_group(
         "gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=300),
     )  # fmt: skip
-    results = {
-        key(*c): trace_case(case, fake=False, device=torch.device("cpu")).to_json()
-        for c, case in zip(CASES, cases(world), strict=True)
-    }
+    cpu = torch.device("cpu")
+    with instant_network():
+        results = {key(*c): trace_case(case, fake=False, device=cpu).to_json() for c, case in zip(CASES, cases(world))}
+    for c, case in zip(CASES, cases(world)):  # free-running gloo, where its timing moves the peak
+        if c[0] == "small" and c[1] not in TIMING_FREE:
+            results["as-is:" + key(*c)] = trace_case(case, fake=False, device=cpu).to_json()
     hand_back_and_exit(results, out, rank)
 
 
@@ -106,11 +111,25 @@ def test_fake_trace_sees_what_a_real_run_sees(traced, case):
     assert f["state_bytes"] == r["state_bytes"]
     assert f["comm_elements"] == r["comm_elements"] and f["comm_bytes"] == r["comm_bytes"]
     real_peak, fake_peak = r["peak"]["device"]["bytes"], f["peak"]["device"]["bytes"]
-    if case[1] in TIMING_FREE:
-        assert abs(fake_peak - real_peak) <= 0.02 * real_peak, (real_peak, fake_peak, r["peak"], f["peak"])
-    else:  # the trace's network is done at once: its peak is the lower end of what real timing gives
-        assert 0.75 * real_peak <= fake_peak <= 1.02 * real_peak, (real_peak, fake_peak, r["peak"], f["peak"])
+    if case[1] != "fsdp":
+        assert abs(fake_peak - real_peak) <= 0.02 * real_peak, json.dumps([real_peak, fake_peak, r["peak"], f["peak"]])
+    else:  # gloo's reduce_scatter_tensor/all_gather_into_tensor fill a scratch of the input's size first (see above)
+        assert 0.9 * real_peak <= fake_peak <= 1.02 * real_peak, json.dumps(
+            [real_peak, fake_peak, r["peak"], f["peak"]]
+        )
     assert sum(f["peak"]["device"]["roles"].values()) == fake_peak  # the composition adds up to the peak
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c[0] == "small" and c[1] not in TIMING_FREE], ids=lambda c: key(*c)
+)
+def test_on_a_free_running_network_the_trace_is_the_peaks_lower_end(traced, case):
+    """Without the instant-network schedule a buffer lives until a poll finds its collective done: the
+    real peak moves with gloo's timing and the trace gives its lower end."""
+    real, fake = traced
+    real_peak = real["as-is:" + key(*case)]["peak"]["device"]["bytes"]
+    fake_peak = fake[key(*case)]["peak"]["device"]["bytes"]
+    assert 0.75 * real_peak <= fake_peak <= 1.02 * real_peak, (real_peak, fake_peak)
 
 
 def test_live_bytes_counts_frees_roles_and_resizes():

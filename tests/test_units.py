@@ -289,3 +289,44 @@ def test_activation_checkpointing_recomputes_every_block_in_backward(monkeypatch
 def test_case_ids_and_reference_groups_tell_checkpointing_apart():
     plain, ckpt = (c for c in expand(config(world_sizes=[2], activation_checkpointing=[False, True])) if c.is_reference)
     assert ckpt.case_id.endswith("-ckpt") and plain.reference_key != ckpt.reference_key
+
+
+# --- GPU path inventory (tests/benchmarks/gpu_only_lines.py) ---------------------------------------------
+
+GPU_PATHS = '''
+def f(device):
+    x = 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()      # GPU
+    else:
+        x = 3
+    return x
+
+
+def g():
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.memory_allocated()      # GPU
+
+
+def h(handle, gpus):
+    if handle is None:
+        return 0
+    if gpus:
+        return len(gpus)      # GPU
+    return 1
+
+
+def nvml_power():
+    return 5      # GPU
+'''
+
+
+def test_gpu_inventory_finds_gpu_branches_and_only_them():
+    from tests.benchmarks.gpu_only_lines import gpu_branches
+
+    guards = gpu_branches(GPU_PATHS)
+    lines = GPU_PATHS.splitlines()
+    gpu = {i for i, text in enumerate(lines, 1) if text.endswith("# GPU")}
+    assert {i for i in guards.guard if lines[i - 1].strip()} == gpu
+    assert guards.function[5] == "f" and guards.function[14] == "g"

@@ -125,3 +125,21 @@ def fake_world(world: int, rank: int = 0, *, backend: str = "nccl") -> Iterator[
             yield
     finally:
         dist.destroy_process_group()
+
+
+def _wait_then_done(work: dist.Work) -> bool:
+    work.wait()
+    return True
+
+
+@contextmanager
+def instant_network() -> Iterator[None]:
+    """A real process group on the trace's schedule: a collective's first poll waits for it and says done.
+
+    A fake collective is done when issued, so a trace frees a buffer at the first ``is_completed()``
+    poll; on a real network the poll may say "not yet" and the buffer lives on. Validating the trace's
+    accounting against a real run therefore runs the real group with this patch, which changes when
+    buffers are freed and nothing else (the bytes, the collectives and their order are the engine's).
+    """
+    with patched(dist.Work, "is_completed", _wait_then_done):
+        yield
