@@ -165,8 +165,10 @@ def main() -> None:
     for p in places:
         print(f"| {p.file} | {p.function} | `{p.guard}` | {len(p.lines)} ({p.lines[0]}-{p.lines[-1]}) |")
     print()
-    print(f"{totals['gpu_only']} GPU-only lines in {len(by_file)} files, {len(places)} places; "
-          f"{totals['missed_other']} other lines the CPU suite misses; {totals['statements']} statements in all")  # fmt: skip
+    print(
+        f"{totals['gpu_only']} GPU-only lines in {len(by_file)} files, {len(places)} places; "
+        f"{totals['missed_other']} other lines the CPU suite misses; {totals['statements']} statements in all"
+    )
     if args.json:
         args.json.write_text(json.dumps({"totals": totals, "places": [asdict(p) for p in places]}, indent=1))
 
