@@ -293,7 +293,7 @@ def test_case_ids_and_reference_groups_tell_checkpointing_apart():
 
 # --- GPU path inventory (tests/benchmarks/gpu_only_lines.py) ---------------------------------------------
 
-GPU_PATHS = '''
+GPU_PATHS = """
 def f(device):
     x = 1
     if device.type == "cuda":
@@ -319,7 +319,7 @@ def h(handle, gpus):
 
 def nvml_power():
     return 5      # GPU
-'''
+"""
 
 
 def test_gpu_inventory_finds_gpu_branches_and_only_them():
