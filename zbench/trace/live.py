@@ -37,7 +37,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 HELD = "held between steps"
@@ -94,6 +94,10 @@ class LiveBytes(TorchDispatchMode):
         """Count ``t``'s storage if it is new (with ``role``), else move it to ``role`` if that ranks higher."""
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
             return
+        if is_traceable_wrapper_subclass(t):  # a DTensor: its storage is notional, at the global size;
+            for name in t.__tensor_flatten__()[0]:  # the memory is its local tensor's
+                self.track(getattr(t, name), role)
+            return
         storage = t.untyped_storage()
         key = storage._cdata
         entry = self._live.get(key)
@@ -116,7 +120,10 @@ class LiveBytes(TorchDispatchMode):
         if entry is None:
             return
         nbytes = storage.nbytes()
-        self.current[(entry.location, entry.role)] += nbytes - entry.nbytes
+        self.current[(entry.location, entry.role)] -= entry.nbytes
+        if entry.nbytes == 0 and nbytes:  # freed in place earlier, allocated again now: a temporary of this moment
+            entry.role = BACKWARD if torch._C._current_graph_task_id() != -1 else OTHER  # (a gather then claims it)
+        self.current[(entry.location, entry.role)] += nbytes
         entry.nbytes = nbytes
         self._update_peak(entry.location)
 

@@ -26,7 +26,12 @@ waiting on a network, not the training step being traced:
 - a fake collective is done at once, but its handle's ``is_completed()`` says
   False for ever; an implementation that polls it to free a buffer early (the
   reference engine's gradient buckets) would hold every buffer to the end, so
-  it says True, as a real handle does once the network has delivered.
+  it says True, as a real handle does once the network has delivered;
+- FSDP2 shards each parameter with ``torch.chunk(param, world)`` and keeps two of the
+  chunks (this rank's and the first, which sets the padding): at 1,024 ranks that
+  is 1,024 fake views per call, two calls per parameter (two minutes of a 70B
+  trace). The chunks are made on demand instead, by the same ``narrow`` that
+  ``torch.chunk`` does: the same tensors for the chunks FSDP2 reads.
 
 Everything else (the model's build, the engines' sharding, forward, backward,
 optimizer step, offload copies) runs unchanged.
@@ -34,12 +39,14 @@ optimizer step, offload copies) runs unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param_module
 import torch.nn.parallel.distributed as ddp_module
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
@@ -76,6 +83,39 @@ class _KeepBuckets:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._reducer, name)
+
+
+class _LazyChunks(Sequence[torch.Tensor]):
+    """``torch.chunk(tensor, n, dim)`` padded with empty tensors to ``n``, each chunk made when it is read."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
+        self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
+        length = tensor.size(dim)
+        self.size = math.ceil(length / num_chunks)
+        # torch.chunk returns ceil(length / size) chunks, or num_chunks empty ones of an empty tensor
+        self.produced = math.ceil(length / self.size) if length else num_chunks
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[torch.Tensor]: ...
+    def __getitem__(self, i: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.num_chunks))]
+        if not -self.num_chunks <= i < self.num_chunks:
+            raise IndexError(i)
+        i %= self.num_chunks
+        if i >= self.produced:  # _chunk_with_empty's padding
+            return self[0].new_empty(0)
+        start = i * self.size
+        return self.tensor.narrow(self.dim, start, min(self.size, self.tensor.size(self.dim) - start))
+
+
+def _chunk_on_demand(tensor: torch.Tensor, num_chunks: int, dim: int) -> Sequence[torch.Tensor]:
+    return _LazyChunks(tensor, num_chunks, dim)
 
 
 @contextmanager
@@ -121,6 +161,7 @@ def fake_world(world: int, rank: int = 0, *, backend: str = "nccl") -> Iterator[
             patched(ddp_module._BucketCapacityConfig, "compute_bucket_size_limits", _rebuilt_bucket_sizes),
             patched(dist, "get_backend", lambda group=None: backend),
             patched(dist.Work, "is_completed", lambda self: True),
+            patched(fsdp_param_module, "_chunk_with_empty", _chunk_on_demand),
         ):
             yield
     finally:
