@@ -18,6 +18,7 @@ from zbench.values import OFFLOAD_MODES, Precision
 
 if TYPE_CHECKING:
     from zbench.regress import CheckResult
+    from zbench.simulate.cluster import Cluster
 
 app = typer.Typer(
     add_completion=False,
@@ -594,13 +595,11 @@ def _plan_trace(
 
 
 def _print_simulation(
-    rows: list, cluster: object, scales: list[int] | None, *, as_json: bool, model: str, gpus: int
+    rows: list, cluster: Cluster, scales: list[int] | None, *, as_json: bool, model: str, gpus: int
 ) -> None:
     """The ``--simulate`` sweep: tokens/s per GPU at each world size, then the detail at ``--gpus``."""
-    from zbench.simulate.cluster import Cluster
     from zbench.simulate.sweep import DEFAULT_SCALES, simulate
 
-    assert isinstance(cluster, Cluster)
     worlds = sorted(set(scales or DEFAULT_SCALES) | {gpus})
     sims = simulate(rows, cluster, worlds)
     if as_json:

@@ -126,10 +126,11 @@ def trace_case(case: Case, *, fake: bool, device: torch.device, steps: int = 3) 
         raise ValueError(f"case {case.case_id} is for {case.world_size} ranks, the process group has {world}")
     result = TraceResult(case.case_id, case.implementation, case.stage, case.offload, world, rank, fake, str(device))
     comms.install()
-    comms.log_calls(True)
     started = time.perf_counter()
     info = model_info(case.model)
     with contextlib.ExitStack() as stack:
+        comms.log_calls(True)
+        stack.callback(comms.log_calls, False)  # off again however the trace ends
         swap_dir = (
             stack.enter_context(tempfile.TemporaryDirectory(prefix="zbench-trace-")) if case.offload == "nvme" else None
         )
@@ -140,7 +141,7 @@ def trace_case(case: Case, *, fake: bool, device: torch.device, steps: int = 3) 
             model = build(case.model, seed=case.seed, device=device)
             if case.activation_checkpointing:
                 checkpoint_blocks(model)
-            mark_phases(model)
+            stack.enter_context(mark_phases(model))  # the hook is removed with the trace
             engine = registry.resolve(case.implementation).build(
                 model, case.train_spec(device, swap_dir=swap_dir), dist.group.WORLD
             )
@@ -167,6 +168,5 @@ def trace_case(case: Case, *, fake: bool, device: torch.device, steps: int = 3) 
             if os.environ.get("ZBENCH_TRACE_DEBUG"):
                 traceback.print_exc()
             comms.take()
-    comms.log_calls(False)
     result.seconds = time.perf_counter() - started
     return result
