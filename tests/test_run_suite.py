@@ -326,6 +326,49 @@ def test_report_simulate_stores_predictions_beside_the_run_and_shows_them(suite_
     assert "Simulated step time" not in (suite_run[1] / "report" / "index.html").read_text()
 
 
+def test_export_parquet_and_csv_read_back_with_pandas(suite_run, tmp_path):
+    _, tmp, run_dir = suite_run
+    stored = {p.stem: json.loads(p.read_text()) for p in (run_dir / "cases").glob("*.json")}
+    for fmt in ("parquet", "csv"):
+        result = zbench("export", str(tmp / "results"), "--format", fmt, "--out", str(tmp_path / fmt))
+        assert result.returncode == 0, result.stderr
+        read = pd.read_parquet if fmt == "parquet" else pd.read_csv
+        cases_ = read(tmp_path / fmt / f"cases.{fmt}")
+        steps = read(tmp_path / fmt / f"steps.{fmt}")
+        assert set(cases_["case_id"]) == set(stored) and len(cases_) == len(stored)
+        assert len(steps) == sum(len(c["steps"]) for c in stored.values())
+        ok = "tiny-torch_zero-s1-w2-fp32-none"
+        losses = steps[steps["case_id"] == ok].sort_values("step")["loss"].tolist()
+        assert losses == pytest.approx([s["loss"] for s in stored[ok]["steps"]], rel=1e-12)
+        assert {"error", "oom", "skipped"} <= set(cases_["status"])  # failed and skipped cases too, with their status
+
+
+def test_export_tensorboard_one_run_per_case(suite_run, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, tmp, run_dir = suite_run
+    result = zbench("export", str(tmp / "results"), "--format", "tensorboard", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    ok = "tiny-fsdp-s3-w2-fp32-none"
+    stored = json.loads((run_dir / "cases" / f"{ok}.json").read_text())
+    events = EventAccumulator(str(tmp_path / run_dir.name / ok))
+    events.Reload()
+    assert {"loss", "time/step_s"} <= set(events.Tags()["scalars"])
+    loss = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert loss == [(s["step"], pytest.approx(s["loss"], rel=1e-6)) for s in stored["steps"]]
+    assert len(list((tmp_path / run_dir.name).iterdir())) == len(list((run_dir / "cases").glob("*.json")))
+    assert not list(tmp_path.rglob(".*-*"))  # no staging directory left behind
+
+
+def test_export_bad_input(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for args in (["--format", "xls"], []):
+        result = zbench("export", str(empty), *args, "--out", str(tmp_path / "out"))
+        assert result.returncode == 2
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 def test_resume_runs_only_missing_cases(suite_run, tmp_path):
     _, tmp, run_dir = suite_run
     import shutil

@@ -753,6 +753,33 @@ def gc_cmd(
     )
 
 
+@app.command("export")
+def export_cmd(
+    results_arg: ResultsArg = None,
+    results: ResultsOpt = None,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            metavar="csv|parquet|tensorboard",
+            help="csv or parquet: two tidy tables, cases.<ext> (one row per run and case) and steps.<ext> (one "
+            "row per run, case and step); tensorboard: event files, one TensorBoard run per case "
+            "(<out>/<run-id>/<case-id>). parquet and tensorboard need the 'export' extra.",
+        ),
+    ] = "csv",
+    out: Annotated[Path, typer.Option("--out", help="Directory the export is written to.")] = Path("export"),
+) -> None:
+    """Export every run under RESULTS (or one run's directory) as CSV, Parquet or TensorBoard event files."""
+    from zbench.export import FORMATS, export
+
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    root = _results(results_arg, results)
+    err = Console(stderr=True, highlight=False)
+    paths = export(root, out, fmt, progress=lambda line: err.print(Text(line)))  # type: ignore[arg-type]
+    err.print(Text(f"exported {len(paths)} {'runs' if fmt == 'tensorboard' else 'tables'} to {out}"))
+
+
 @app.command("env")
 def env_cmd(as_json: JsonOpt = False) -> None:
     """What zbench sees: versions, distributed backends, GPUs, driver, nvml."""
