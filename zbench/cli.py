@@ -776,7 +776,7 @@ def export_cmd(
         raise UsageError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     root = _results(results_arg, results)
     err = Console(stderr=True, highlight=False)
-    paths = export(root, out, fmt, progress=lambda line: err.print(Text(line)))  # type: ignore[arg-type]
+    paths = export(root, out, fmt, progress=lambda line: err.print(Text(line)))
     err.print(Text(f"exported {len(paths)} {'runs' if fmt == 'tensorboard' else 'tables'} to {out}"))
 
 
