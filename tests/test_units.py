@@ -309,11 +309,13 @@ def g():
     return torch.cuda.memory_allocated()      # GPU
 
 
-def h(handle, gpus):
+def h(handle, gpus, t):
     if handle is None:
         return 0
     if gpus:
-        return len(gpus)      # GPU
+        return len(gpus)
+    if t.is_pinned():
+        return 2      # GPU
     return 1
 
 

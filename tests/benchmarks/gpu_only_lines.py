@@ -9,7 +9,7 @@ CLI subprocesses)::
 A line counts as GPU-only when the CPU suite missed it *and* it sits where only a GPU goes: in the branch
 of a condition that names CUDA, NCCL, nvml, pinned memory or a GPU (``if device.type == "cuda":``, the
 ``else`` of ``if not torch.cuda.is_available():``, the rest of a block after ``if ...: return`` guards of
-that kind), in a function named after one, or in a module that is GPU-only as a whole (nvml). Without a
+that kind), in a function named after one (or after a GPU), or in a module that is GPU-only as a whole (nvml). Without a
 GPU run to subtract, this is the CPU side of the definition; every place it lists is named in
 docs/methods.md#gpu-only-code with the GPU test (tests/test_gpu.py) that runs it. Lines missed for any other reason
 (error paths no test reaches) are counted apart, not hidden.
@@ -29,7 +29,10 @@ import coverage
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("zbench", "implementations")
-GPU = re.compile(r"cuda|nccl|nvml|pin_memory|is_pinned|\bgpus?\b|_gpu|gpu_", re.IGNORECASE)
+#: What marks a GPU path in a condition (a GPU *count* such as ``--gpus`` is not one: it runs on a CPU too).
+GPU = re.compile(r"cuda|nccl|nvml|pin_memory|is_pinned", re.IGNORECASE)
+#: ... and in a function's name.
+GPU_FUNCTION = re.compile(r"cuda|nccl|nvml|gpu", re.IGNORECASE)
 #: Whole modules only a GPU machine executes past their imports.
 GPU_MODULES = {"zbench/measure/nvml.py"}
 
@@ -101,7 +104,7 @@ class _Guards(ast.NodeVisitor):
         name = ".".join(self._stack)
         for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
             self.function[line] = name
-        if GPU.search(node.name):
+        if GPU_FUNCTION.search(node.name):
             self._mark(_span(node.body), f"def {node.name}")
         self._block(node.body)
         self._stack.pop()
