@@ -16,19 +16,18 @@ rank checks its free memory first, and all skip together when any is short.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-import psutil
 import torch
 import torch.distributed as dist
 
 from zbench import registry
 from zbench.case import REFERENCE, Case
 from zbench.formulas import expected_state_bytes
+from zbench.measure.memory import free_bytes
 from zbench.measure.timing import timed
 from zbench.model_source import ModelInfo, build
 from zbench.models import checkpoint_blocks, rank_micro_batches, synthetic_batch
@@ -43,15 +42,6 @@ MAX_ROUNDS = 5000
 
 HEADROOM = 2.0
 """The DDP copy is assumed to need this many times its model-state bytes (activations, buckets, allocator slack)."""
-
-
-def free_bytes(device: torch.device) -> int:
-    """Memory this rank could still allocate: the GPU's free memory, or the host's available memory per local rank."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return torch.cuda.mem_get_info(device)[0]
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    return psutil.virtual_memory().available // max(1, local_ranks)
 
 
 def reference_need_bytes(case: Case, parameters: int) -> int:

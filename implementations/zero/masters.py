@@ -22,7 +22,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from zbench.implementations.zero.offload import host_empty
+from zbench.implementations.zero.offload import host_empty, upload_fence
 from zbench.implementations.zero.state import Held
 from zbench.implementations.zero.tiers import DeviceShard, ParamTier
 from zbench.protocol import TrainSpec
@@ -105,9 +105,8 @@ class InMemoryMasters:
     def _update_tiers(self) -> None:
         for master, tier in zip(self._masters, self._tiers):
             tier.update(0, master.numel(), master)
-        if self.location == "host" and self.device.type == "cuda":
-            self._uploaded = torch.cuda.Event()
-            self._uploaded.record()
+        if self.location == "host":
+            self._uploaded = upload_fence(self.device)
 
     def step(self, grads: Sequence[torch.Tensor]) -> None:
         self._wait_uploads()

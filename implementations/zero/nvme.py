@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from zbench.implementations.zero.masters import check_masters
-from zbench.implementations.zero.offload import HostToDevice, Upload, host_empty
+from zbench.implementations.zero.offload import HostToDevice, Upload, host_empty, upload_fence
 from zbench.implementations.zero.state import Held
 from zbench.implementations.zero.swap import Region, SwapDir
 from zbench.implementations.zero.tiers import ParamTier
@@ -157,9 +157,7 @@ class NvmeMasters:
                     jobs.append(reading)
                 self._step_one(j, slot, grads[sub.group][sub.lo : sub.hi])
                 self._groups[sub.group].tier.update(sub.lo, sub.hi, slot.master[: sub.numel])
-                if self.device.type == "cuda":  # the tier's copy to the device reads this slot
-                    slot.uploaded = torch.cuda.Event()
-                    slot.uploaded.record()
+                slot.uploaded = upload_fence(self.device)  # the tier's copy to the device reads this slot
                 jobs.append(self.swap.submit(self._write, j, self._io_views(j, slot, with_state=True)))
         finally:
             wait(jobs)

@@ -22,6 +22,16 @@ def host_empty(numel: int, dtype: torch.dtype, *, device: torch.device) -> torch
     return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
 
 
+def upload_fence(device: torch.device) -> torch.cuda.Event | None:
+    """After writing a host buffer that queued copies to ``device`` read: an event that passes once they have
+    read it (wait on it before writing the buffer again); ``None`` off CUDA, where copies are synchronous."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 class DeviceToHost:
     """Reduced gradient shards copied from the device into fp32 host partitions, off the training stream.
 

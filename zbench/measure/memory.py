@@ -10,11 +10,14 @@ lifetime peak (``ru_maxrss``) and says so.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from pathlib import Path
 
+import psutil
 import torch
+import torch.distributed as dist
 
 _rss_reset = False
 
@@ -55,3 +58,12 @@ def peak_memory(device: torch.device) -> dict[str, int | str | bool]:
             **rss,
         }
     return {"kind": "rss", "bytes": rss["rss_bytes"], **rss}
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory this rank could still allocate: the GPU's free memory, or the host's available memory per local rank."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0]
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return psutil.virtual_memory().available // max(1, local_ranks)
