@@ -90,3 +90,52 @@ def test_trace_on_fake_cuda_tensors_matches_the_formulas():
         traced = sum(sum(v.values()) for v in row["trace"]["state_bytes"].values())
         formula = sum(sum(v.values()) for v in row["formula"].values())
         assert traced == pytest.approx(formula, rel=0.05) or row["differences"], row["name"]
+
+
+OFFLOAD_SUITE = """
+name: gpu-offload
+description: the pinned-memory, side-stream and NVMe paths of ZeRO-Offload on a GPU
+device: auto
+models: small
+implementations: [zero1, zero2, zero3]
+offload: [optimizer, optimizer+params, nvme]
+world_sizes: 1
+precisions: [bf16]
+steps: 8
+warmup_steps: 2
+timeout_s: 300
+nvme_dir: {nvme}
+"""
+
+
+def test_offload_modes_on_a_gpu_train_like_ddp(tmp_path):
+    """DeviceToHost / HostToDevice on side streams into pinned buffers, the upload fences of host and NVMe
+    masters, and ``device: auto`` resolving to cuda: every supported mode ends ok and equivalent."""
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "suite.yaml").write_text(OFFLOAD_SUITE.format(nvme=tmp_path / "nvme"))
+    r = zbench("run", str(tmp_path / "suite.yaml"), "--results", str(tmp_path / "results"),
+               "--report", str(tmp_path / "report"))  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (run_dir,) = [p for p in (tmp_path / "results").iterdir() if p.is_dir()]
+    cases = [json.loads(p.read_text()) for p in (run_dir / "cases").glob("*.json")]
+    ran = [c for c in cases if c["status"] != "skipped"]
+    assert {c["config"]["offload"] for c in ran} >= {"optimizer", "optimizer+params", "nvme"}
+    for case in ran:
+        assert case["config"]["device"] == "cuda"
+        assert case["status"] == "ok" and case["equivalence"]["equivalent"], case["case_id"]
+
+
+def test_world_size_beyond_the_gpus_is_bad_input(tmp_path):
+    (tmp_path / "suite.yaml").write_text(
+        SUITE.replace("world_sizes: 1", f"world_sizes: {torch.cuda.device_count() + 1}")
+    )
+    r = zbench("run", str(tmp_path / "suite.yaml"), "--results", str(tmp_path / "results"))
+    assert r.returncode == 2 and "GPUs but" in r.stderr, r.stderr
+
+
+def test_env_reports_the_gpus_and_nvml():
+    r = zbench("env", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["gpus"] and info["gpu_count"] >= 1 and info["cuda_available"]
+    assert info["nvml"]["available"] and info["nvml"]["driver"] and info["nvml"]["gpus"], info["nvml"]
