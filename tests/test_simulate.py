@@ -80,7 +80,7 @@ def test_offload_adds_host_step_and_pcie_time():
 
 
 def test_cluster_files_are_checked(tmp_path):
-    assert {"h100-sxm", "a100-sxm", "rtx4090-pcie"} <= set(built_in_names())
+    assert {"h100-sxm", "a100-sxm", "rtx4090-pcie", "cpu-2core"} <= set(built_in_names())
     bad = tmp_path / "c.yaml"
     bad.write_text(H100.model_dump_json().replace('"peak_tflops":989.0', '"peak_tflops":-1'))
     with pytest.raises(ClusterError, match="peak_tflops"):

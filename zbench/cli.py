@@ -473,6 +473,7 @@ def _plan_trace(
     from zbench.implementations import BUILTIN
     from zbench.presets import PRESETS
     from zbench.trace import plan as trace_mod
+    from zbench.trace.live import HELD
 
     names = implementations or list(BUILTIN)
     unknown = [n for n in names if n not in BUILTIN]
@@ -563,9 +564,12 @@ def _plan_trace(
             table.add_row(r.name, "cannot trace", "", "", "", "", "", r.trace.error[:60], "", "", "-")
             notes.append(f"{r.name}: {r.trace.error}")
             continue
-        roles = r.trace.peak.get("device", {}).get("roles", {})
-        top = max(roles, key=roles.get) if roles else "-"
-        peak = r.peak("device") - (int(r.located("host")) if dev == "cpu" else 0)
+        roles = dict(r.trace.peak.get("device", {}).get("roles", {}))
+        host_held = int(r.located("host")) if dev == "cpu" else 0  # the stand-in's host state, in the live peak
+        if host_held and HELD in roles:
+            roles[HELD] = max(0, roles[HELD] - host_held)
+        top = max(roles, key=lambda role: roles[role]) if roles else "-"
+        peak = r.peak("device") - host_held
         table.add_row(
             r.name,
             fmt_bytes(r.located("device")),
@@ -574,7 +578,7 @@ def _plan_trace(
             fmt_bytes(r.located("host", "formula")),
             fmt_bytes(r.located("disk")),
             fmt_bytes(peak),
-            f"{top} {roles.get(top, 0) / r.peak('device'):.0%} of the live peak" if peak else "-",
+            f"{top} {roles.get(top, 0) / peak:.0%}" if peak else "-",
             fmt_bytes(r.trace.comm_bytes),
             fmt_bytes(r.located("host") * per_node),
             "-" if limit is None else ("yes" if peak <= limit else "NO"),
@@ -626,8 +630,10 @@ def _print_simulation(
             f"{e.offload_s * 1e3:,.0f} ms", f"{e.mfu:.0%}", f"{e.comm_to_compute:.2f}",
         )  # fmt: skip
         stop = sim.first_exposed()
-        if stop is not None:
+        if stop is not None and cluster.overlap > 0:
             notes.append(f"{sim.name}: communication stops hiding behind compute at {stop} GPUs")
+    if cluster.overlap == 0:
+        notes.append(f"{cluster.name}: overlap 0, so no communication is assumed hidden behind compute")
     out = _stdout()
     out.print(sweep)
     out.print(detail)
