@@ -83,17 +83,21 @@ METHOD = (
 
 
 def trace_records(records: list[CaseRecord], progress: Callable[[str], None] = lambda _: None) -> dict[str, TracedRow]:
-    """Trace every finished case at its own world size, in a fake group that mirrors gloo, on fake CPU tensors."""
+    """Trace every finished case at its own world size on fake CPU tensors, in a fake group that mirrors the
+    backend the case ran on (gloo on CPU, NCCL on GPUs: the reference engine takes another path per backend)."""
     import torch
 
     from zbench.trace.shims import fake_world
     from zbench.trace.tracer import trace_case
 
+    def backend(record: CaseRecord) -> str:
+        return "nccl" if record.config.device == "cuda" else "gloo"
+
     traced: dict[str, TracedRow] = {}
-    for world in sorted({r.config.world_size for r in records}):
-        with fake_world(world, backend="gloo"):
+    for world, name in sorted({(r.config.world_size, backend(r)) for r in records}):
+        with fake_world(world, backend=name):
             for record in records:
-                if record.config.world_size == world and record.status == "ok":
+                if record.config.world_size == world and backend(record) == name and record.status == "ok":
                     progress(f"tracing {record.case_id}")
                     case = record.config
                     traced[case.case_id] = TracedRow(case, trace_case(case, fake=True, device=torch.device("cpu")))
