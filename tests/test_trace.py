@@ -1,8 +1,9 @@
 """``zbench plan --trace`` against real runs: the fake trace must see what a real process group sees.
 
-One real gloo group of 2 ranks runs ``trace_case(fake=False)`` (real tensors, the same accounting) for
+Real gloo groups of 2 and of 4 ranks run ``trace_case(fake=False)`` (real tensors, the same accounting) for
 every built-in implementation and offload mode at ``tiny`` and a subset at ``small``; one process
-traces the same cases on fake tensors in a fake group of 2 that mirrors gloo. Then per case:
+traces the same cases on fake tensors in fake groups of 2 and 4 that mirror gloo. Then per case and world
+size (rank 0):
 
 - model-state bytes (by category and location) and the communication volume of a step are equal;
 - the peak of live tensor bytes is within 2%, the real group running on the trace's schedule
@@ -40,6 +41,7 @@ ALL = [
 SMALL = [("ddp", 0, "none"), ("zero1", 1, "none"), ("zero2", 2, "none"), ("zero3", 3, "none"), ("fsdp", 3, "none")]
 CASES = [("tiny", *c) for c in ALL] + [("small", *c) for c in SMALL]
 TIMING_FREE = {"ddp", "torch_zero", "zero1"}
+WORLDS = (2, 4)
 
 
 def cases(world: int):
@@ -70,7 +72,7 @@ def run_real(world: int, rank: int, out: Path) -> None:
     with instant_network():
         results = {key(*c): trace_case(case, fake=False, device=cpu).to_json() for c, case in zip(CASES, cases(world))}
     for c, case in zip(CASES, cases(world)):  # free-running gloo, where its timing moves the peak
-        if c[0] == "small" and c[1] not in TIMING_FREE:
+        if world == 2 and c[0] == "small" and c[1] not in TIMING_FREE:
             results["as-is:" + key(*c)] = trace_case(case, fake=False, device=cpu).to_json()
     hand_back_and_exit(results, out, rank)
 
@@ -78,12 +80,14 @@ def run_real(world: int, rank: int, out: Path) -> None:
 FAKE = """
 import json, sys, torch
 sys.path.insert(0, {root!r})
-from tests.test_trace import CASES, cases, key
+from tests.test_trace import CASES, WORLDS, cases, key
 from zbench.trace.shims import fake_world
 from zbench.trace.tracer import trace_case
-with fake_world(2, backend="gloo"):
-    out = {{key(*c): trace_case(case, fake=True, device=torch.device("cpu")).to_json()
-           for c, case in zip(CASES, cases(2), strict=True)}}
+out = {{}}
+for world in WORLDS:
+    with fake_world(world, backend="gloo"):
+        out[world] = {{key(*c): trace_case(case, fake=True, device=torch.device("cpu")).to_json()
+                      for c, case in zip(CASES, cases(world), strict=True)}}
 print(json.dumps(out))
 """
 
@@ -97,15 +101,17 @@ def traced(tmp_path_factory):
         stderr=subprocess.PIPE,
         text=True,
     )
-    real = launch_rank_scripts(__file__, (2,), tmp_path_factory.mktemp("trace"), label="real traces")[2][0]
-    stdout, stderr = fake.communicate(timeout=600)
+    groups = launch_rank_scripts(__file__, WORLDS, tmp_path_factory.mktemp("trace"), label="real traces")
+    stdout, stderr = fake.communicate(timeout=900)
     assert fake.returncode == 0, stderr[-3000:]
-    return real, json.loads(stdout)
+    fake_by_world = json.loads(stdout)
+    return {w: (groups[w][0], fake_by_world[str(w)]) for w in WORLDS}  # rank 0 of each
 
 
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"w{w}")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: key(*c))
-def test_fake_trace_sees_what_a_real_run_sees(traced, case):
-    real, fake = traced
+def test_fake_trace_sees_what_a_real_run_sees(traced, case, world):
+    real, fake = traced[world]
     r, f = real[key(*case)], fake[key(*case)]
     assert r["error"] is None and f["error"] is None, (r["error"], f["error"])
     assert f["state_bytes"] == r["state_bytes"]
@@ -126,7 +132,7 @@ def test_fake_trace_sees_what_a_real_run_sees(traced, case):
 def test_on_a_free_running_network_the_trace_is_the_peaks_lower_end(traced, case):
     """Without the instant-network schedule a buffer lives until a poll finds its collective done: the
     real peak moves with gloo's timing and the trace gives its lower end."""
-    real, fake = traced
+    real, fake = traced[2]
     real_peak = real["as-is:" + key(*case)]["peak"]["device"]["bytes"]
     fake_peak = fake[key(*case)]["peak"]["device"]["bytes"]
     assert 0.75 * real_peak <= fake_peak <= 1.02 * real_peak, (real_peak, fake_peak)
