@@ -333,6 +333,16 @@ def plan(
     checkpointing: Annotated[
         bool, typer.Option("--checkpointing", help="With --trace: recompute each block's activations in backward.")
     ] = False,
+    option: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--option",
+            metavar="KEY=VALUE",
+            help="With --trace: an implementation option, as a suite's `options:` (repeatable; VALUE is read as "
+            "YAML), given to every traced implementation; e.g. nvme_chunk_mb=256 for the reference ZeRO engine's "
+            "NVMe sub-groups. ddp, fsdp and torch_zero take no options and ignore it.",
+        ),
+    ] = None,
     device: Annotated[
         Literal["auto", "cpu", "cuda"],
         typer.Option(
@@ -373,6 +383,8 @@ def plan(
         raise UsageError("--gpus, --params and --gpu-memory must be positive")
     if not 0 <= reserve < 1:
         raise UsageError(f"--reserve: {reserve} is not in [0, 1)")
+    if option and not (trace or simulate):
+        raise UsageError("--option applies to traced implementations: add --trace or --simulate")
     if trace or simulate:
         if model is None:
             raise UsageError("--trace and --simulate need --model (a preset: its shape is what runs)")
@@ -385,6 +397,7 @@ def plan(
             micro_batch=micro_batch,
             seq_len=seq_len,
             checkpointing=checkpointing,
+            options=_key_values("--option", option or []),
             device=device,
             gpu_memory=gpu_memory,
             gpus_per_node=gpus_per_node,
@@ -451,6 +464,22 @@ def plan(
     _stdout().print(table)
 
 
+def _key_values(flag: str, items: list[str]) -> dict[str, object]:
+    """``KEY=VALUE`` pairs, each VALUE read as YAML (``256`` is a number, ``fp32`` a string)."""
+    import yaml
+
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"{flag}: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise UsageError(f"{flag}: {key.strip()}: not a YAML value: {value!r} ({exc.__class__.__name__})") from None
+    return out
+
+
 def _plan_trace(
     model: str,
     *,
@@ -461,6 +490,7 @@ def _plan_trace(
     micro_batch: int,
     seq_len: int | None,
     checkpointing: bool,
+    options: dict[str, object],
     device: str,
     gpu_memory: float | None,
     gpus_per_node: int | None,
@@ -503,6 +533,7 @@ def _plan_trace(
             seq_len=seq,
             device=dev,
             checkpointing=checkpointing,
+            options=options,
         )
         for n, s, o in combos
     ]

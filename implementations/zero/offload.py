@@ -153,11 +153,13 @@ class HostShard:
         self.tensor.copy_(values)
         self._h2d = h2d
         self._upload: Upload | None = None
-        self._last: Upload | None = None
+        self._last_read: torch.cuda.Event | None = None  # the event only: keeping the Upload would keep its
+        # device copy alive until the next update, every block's at once (a whole shard on the device)
 
     def fetch(self) -> None:
         if self._upload is None:
-            self._upload = self._last = self._h2d.start(self.tensor)
+            self._upload = self._h2d.start(self.tensor)
+            self._last_read = self._upload.event
 
     def take(self) -> torch.Tensor:
         self.fetch()
@@ -171,9 +173,9 @@ class HostShard:
             self._upload = None
 
     def update(self, lo: int, hi: int, values: torch.Tensor) -> None:
-        if self._last is not None:
-            self._last.synchronize()
-            self._last = None
+        if self._last_read is not None:
+            self._last_read.synchronize()
+            self._last_read = None
         self.tensor[lo:hi].copy_(values)
 
     def held(self) -> Held:

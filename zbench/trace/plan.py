@@ -121,6 +121,7 @@ def make_case(
     seq_len: int,
     device: str,
     checkpointing: bool,
+    options: dict[str, Any] | None = None,
 ) -> Case:
     return Case(
         model=model,
@@ -144,6 +145,7 @@ def make_case(
         grad_clip=None,
         activation_checkpointing=checkpointing,
         capabilities=registry.resolve(implementation).capabilities,
+        options=dict(options or {}),
     )
 
 
