@@ -7,6 +7,7 @@ other implementation by import path (``my_pkg.engine:MyZero``).
 BUILTIN: dict[str, str] = {
     "ddp": "zbench.implementations.ddp:IMPLEMENTATION",
     "fsdp": "zbench.implementations.fsdp:IMPLEMENTATION",
+    "fsdp1": "zbench.implementations.fsdp1:IMPLEMENTATION",
     "torch_zero": "zbench.implementations.torch_zero:IMPLEMENTATION",
     "zero1": "zbench.implementations.zero:ZERO1",
     "zero2": "zbench.implementations.zero:ZERO2",

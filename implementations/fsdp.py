@@ -38,6 +38,13 @@ def shard_groups(model: nn.Module) -> list[list[nn.Module]]:
     return [[blocks[j] for j in g] for g in sorted(kept)]
 
 
+def root_stays_gathered(cfg: GPTConfig) -> int:
+    """ZeRO-3's 3Ψ less one gather of the root unit: FSDP (2, and 1's ``FULL_SHARD``) keeps the root's
+    parameters gathered from forward to backward, so only the blocks are gathered twice."""
+    root = cfg.num_parameters - cfg.layers * cfg.block_parameters
+    return 3 * cfg.num_parameters - root
+
+
 class FSDPEngine(EngineBase):
     def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         self.spec = spec
@@ -97,11 +104,8 @@ class FSDP:
         offload_keeps_master=False,
     )
 
-    def expected_comm_elements(self, cfg: GPTConfig, world: int) -> int:
-        """ZeRO-3's 3Ψ less one gather of the root unit: FSDP2 keeps the root's parameters gathered from
-        forward to backward, so only the blocks are gathered twice."""
-        root = cfg.num_parameters - cfg.layers * cfg.block_parameters
-        return 3 * cfg.num_parameters - root
+    def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int:
+        return root_stays_gathered(cfg)
 
     def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> FSDPEngine:
         return FSDPEngine(model, spec, group)

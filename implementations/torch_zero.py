@@ -32,7 +32,7 @@ class TorchZero:
     name = "torch_zero"
     capabilities = Capabilities(stages=frozenset({1}), precisions=frozenset({"fp32", "bf16"}))
 
-    def expected_comm_elements(self, cfg: GPTConfig, world: int) -> int:
+    def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int:
         """Not ZeRO-1's optimal 2Ψ: DDP all-reduces every gradient (2Ψ), then each rank broadcasts its shard (Ψ)."""
         return 3 * cfg.num_parameters
 

@@ -35,8 +35,12 @@ ALL = [
     ("ddp", 0, "none"), ("fsdp", 3, "none"), ("fsdp", 3, "optimizer+params"), ("torch_zero", 1, "none"),
     ("zero1", 1, "none"), ("zero1", 1, "optimizer"), ("zero2", 2, "none"), ("zero2", 2, "optimizer"),
     ("zero3", 3, "none"), ("zero3", 3, "optimizer+params"), ("zero3", 3, "nvme"),
+    ("fsdp1", 0, "none"), ("fsdp1", 2, "none"), ("fsdp1", 3, "none"),
 ]  # fmt: skip
-SMALL = [("ddp", 0, "none"), ("zero1", 1, "none"), ("zero2", 2, "none"), ("zero3", 3, "none"), ("fsdp", 3, "none")]
+SMALL = [
+    ("ddp", 0, "none"), ("zero1", 1, "none"), ("zero2", 2, "none"), ("zero3", 3, "none"), ("fsdp", 3, "none"),
+    ("fsdp1", 2, "none"),
+]  # fmt: skip
 CASES = [("tiny", *c) for c in ALL] + [("small", *c) for c in SMALL]
 TIMING_FREE = {"ddp", "torch_zero", "zero1"}
 WORLDS = (2, 4)
@@ -50,7 +54,7 @@ def cases(world: int):
 
 
 def key(m: str, i: str, s: int, o: str) -> str:
-    return f"{m}-{i}-{o}"
+    return f"{m}-{i}-s{s}-{o}"
 
 
 def run_real(world: int, rank: int, out: Path) -> None:

@@ -518,9 +518,13 @@ def _plan_trace(
     bad = [o for o in offloads or () if o not in OFFLOAD_MODES]
     if bad:
         raise UsageError(f"--offload: unknown {', '.join(bad)}; allowed: {', '.join(OFFLOAD_MODES)}")
-    combos = trace_mod.combinations(names, offloads or OFFLOAD_MODES)
+    combos = trace_mod.combinations(names, offloads or OFFLOAD_MODES, dev)
     if not combos:
-        raise UsageError("nothing to trace: no implementation given supports the offload modes given")
+        raise UsageError(f"nothing to trace: no implementation given runs the offload modes given on {dev}")
+    for n, s, o in trace_mod.combinations(names, offloads or OFFLOAD_MODES):
+        if (n, s, o) not in combos:
+            print(f"{n} (stage {s}) + offload {o}: not traced, its offload needs another device than {dev}",
+                  file=sys.stderr)  # fmt: skip
     cases = [
         trace_mod.make_case(
             model,

@@ -126,18 +126,25 @@ def placement(
 
 def placement_for(case: Case) -> dict[str, dict[str, float]]:
     """``placement`` for one suite case, with the layout its implementation declares (master weights kept in
-    mixed precision, a separate master when offloading)."""
+    mixed precision, a separate master when offloading, parameters sharded between steps below stage 3)."""
     caps = case.capabilities
     if caps is None:
         raise ValueError(f"case {case.case_id} carries no capabilities (a schema-1 record); nothing to predict")
-    return placement(
-        params=model_info(case.model).parameters,
-        world=case.world_size,
-        stage=case.stage,
-        precision=case.precision,
-        offload=case.offload,
-        optimizer=case.optimizer,
-        momentum=case.momentum,
-        master_weights=caps.keeps_master_weights and case.precision != "fp32",
-        offload_master=caps.offload_keeps_master,
-    )
+
+    def at(stage: int) -> dict[str, dict[str, float]]:
+        return placement(
+            params=model_info(case.model).parameters,
+            world=case.world_size,
+            stage=stage,
+            precision=case.precision,
+            offload=case.offload,
+            optimizer=case.optimizer,
+            momentum=case.momentum,
+            master_weights=caps.keeps_master_weights and case.precision != "fp32",
+            offload_master=caps.offload_keeps_master,
+        )
+
+    out = at(case.stage)
+    if caps.parameters_sharded_from_stage <= case.stage < 3:
+        out["parameters"] = at(3)["parameters"]
+    return out

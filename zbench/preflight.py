@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from zbench import nvme, registry
 from zbench.case import REFERENCE, Case
 from zbench.errors import UsageError
+from zbench.formulas import offload_supported
 from zbench.model_source import ModelSourceError, model_info
 from zbench.protocol import Implementation
 from zbench.suite import ImplementationEntry, SuiteConfig, SuiteFile
@@ -141,7 +142,7 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
                 activation_checkpointing=checkpointing,
                 capabilities=caps,
             )
-            reason = caps.why_unsupported(
+            reason = offload_supported(stage, offload) or caps.why_unsupported(
                 stage=stage,
                 precision=precision,
                 offload=offload,

@@ -65,6 +65,12 @@ class Capabilities:
     offload_keeps_master: bool = True
     """True when offloading keeps a separate fp32 master shard on the host next to the compute shard (ZeRO-Offload,
     even in fp32); False when the offloaded fp32 shard is itself what the optimizer steps (FSDP2's CPU offload)."""
+    offload_devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    """Devices its offload modes run on (FSDP1's CPU offload copies to an accelerator and needs one)."""
+    parameters_sharded_from_stage: int = 3
+    """The lowest stage at which parameters are sharded *between steps*: 3 for ZeRO, whose stage 2 keeps them
+    whole; 2 for FSDP1, whose ``SHARD_GRAD_OP`` frees the gathered parameters after backward and gathers them
+    again in the next forward (stage 2's traffic and peak, stage 3's model states between steps)."""
 
     def why_unsupported(
         self,
@@ -86,6 +92,8 @@ class Capabilities:
             return f"offload {offload} not supported (supports {sorted(self.offload)})"
         if device not in self.devices:
             return f"device {device} not supported (supports {sorted(self.devices)})"
+        if offload != "none" and device not in self.offload_devices:
+            return f"offload on {device} not supported (offload runs on {', '.join(sorted(self.offload_devices))})"
         if optimizer not in self.optimizers:
             return f"optimizer {optimizer} not supported (supports {sorted(self.optimizers)})"
         if grad_accum > 1 and not self.grad_accumulation:
@@ -194,13 +202,14 @@ class Implementation(Protocol):
     def build(self, model: nn.Module, spec: TrainSpec, group: torch.distributed.ProcessGroup | None) -> Engine:
         """Wrap ``model`` (already on ``spec.device``, identical on every rank) for training."""
 
-    def expected_comm_elements(self, cfg: GPTConfig, world: int) -> int | None:
+    def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int | None:
         """Logical collective elements per step and rank this implementation should send for ``cfg`` at ``world``
-        ranks (ring algorithms, see ``zbench.measure.comms``), or ``None`` for the ZeRO formula of its stage."""
+        ranks and ``stage`` (ring algorithms, see ``zbench.measure.comms``), or ``None`` for the ZeRO formula of
+        the stage."""
 
 
 class ImplementationBase:
     """Default for an implementation's optional member: its traffic is what the ZeRO formulas say."""
 
-    def expected_comm_elements(self, cfg: GPTConfig, world: int) -> int | None:
+    def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int | None:
         return None

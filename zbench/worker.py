@@ -60,7 +60,7 @@ def expected_comm_elements(implementation: Implementation, info: ModelInfo, worl
     knows), else the ZeRO formula."""
     if world == 1:
         return 0  # one rank has nothing to exchange (implementations may still call collectives: DDP does)
-    declared = implementation.expected_comm_elements(info.gpt, world) if info.gpt is not None else None
+    declared = implementation.expected_comm_elements(info.gpt, world, stage) if info.gpt is not None else None
     return int(declared) if declared is not None else comms.theory_elements(info.parameters, stage)
 
 

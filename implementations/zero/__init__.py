@@ -65,7 +65,7 @@ class ZeroImplementation:
     def __post_init__(self) -> None:
         object.__setattr__(self, "capabilities", _capabilities(self.stage))
 
-    def expected_comm_elements(self, cfg: GPTConfig, world: int) -> int:
+    def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int:
         """Stages 1-2: reduce-scatter Ψ + all-gather Ψ. Stage 3: reduce-scatter Ψ, and gathers of Ψ for forward and
         again for backward, except the root unit and the last block, which stay gathered from forward to backward."""
         psi = cfg.num_parameters

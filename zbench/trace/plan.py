@@ -36,8 +36,8 @@ REASONS: dict[tuple[str, str], str] = {
     "compute-precision buffer)",
     ("zero", "master_weights"): "padded fp32 shard",
     ("zero", "optimizer_state"): "padded fp32 shard",
-    ("fsdp", "parameters"): "FSDP2 pads each parameter's dim-0 to a multiple of the world size; a small "
-    "parameter's shard is mostly padding at many ranks",
+    ("fsdp", "parameters"): "FSDP2 pads each parameter's dim-0 (FSDP1 each unit's flat parameter) to a "
+    "multiple of the world size; a small parameter's shard is mostly padding at many ranks",
     ("fsdp", "gradients"): "gradients follow the padded parameter shards",
     ("fsdp", "optimizer_state"): "optimizer state follows the padded parameter shards",
 }
@@ -46,7 +46,7 @@ REASONS: dict[tuple[str, str], str] = {
 def family(implementation: str) -> str:
     if implementation.startswith("zero"):
         return "zero"
-    return "fsdp" if implementation == "fsdp" else implementation
+    return "fsdp" if implementation in ("fsdp", "fsdp1") else implementation
 
 
 def explain(implementation: str, traced: dict[str, dict[str, int]], formula: dict[str, dict[str, float]]) -> list[str]:
@@ -97,14 +97,19 @@ class TracedRow:
         }
 
 
-def combinations(implementations: Iterable[str], offloads: Iterable[str]) -> list[tuple[str, int, str]]:
-    """(implementation, stage, offload) for every stage and offload mode an implementation declares."""
+def combinations(
+    implementations: Iterable[str], offloads: Iterable[str], device: str | None = None
+) -> list[tuple[str, int, str]]:
+    """(implementation, stage, offload) for every stage and offload mode an implementation declares (and runs on
+    ``device``, when given)."""
     out: list[tuple[str, int, str]] = []
     for name in implementations:
         caps = registry.resolve(name).capabilities
         for stage in sorted(caps.stages):
             for offload in OFFLOAD_MODES:
-                if offload in offloads and offload in caps.offload and offload_supported(stage, offload) is None:
+                if offload not in offloads or offload not in caps.offload or offload_supported(stage, offload):
+                    continue
+                if offload == "none" or device is None or device in caps.offload_devices:
                     out.append((name, stage, offload))
     return out
 

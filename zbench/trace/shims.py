@@ -32,6 +32,9 @@ waiting on a network, not the training step being traced:
   is 1,024 fake views per call, two calls per parameter (two minutes of a 70B
   trace). The chunks are made on demand instead, by the same ``narrow`` that
   ``torch.chunk`` does: the same tensors for the chunks FSDP2 reads;
+- FSDP1 asks whether a flat parameter's storage is allocated, and whether two tensors share
+  one, by their data pointers, which are 0 for every fake tensor; it is asked of the
+  storage itself instead (its size, its identity): the same answers for real tensors;
 - mirroring gloo, a reduce-scatter also makes the scratch gloo makes: gloo reduces a
   copy of the whole input and, on the calling thread when the collective completes,
   copies this rank's part out of it (measured: a 100,000-byte input shows 100,000
@@ -51,6 +54,7 @@ from typing import Any, overload
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+import torch.distributed.fsdp._flat_param as flat_param_module
 import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param_module
 import torch.nn.parallel.distributed as ddp_module
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -119,6 +123,14 @@ class _LazyChunks(Sequence[torch.Tensor]):
         return self.tensor.narrow(self.dim, start, min(self.size, self.tensor.size(self.dim) - start))
 
 
+def _storage_allocated(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage().nbytes() > 0
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
 def _with_gloo_scratch(reduce_scatter: Any) -> Any:
     """``reduce_scatter_single`` as gloo runs it, memory-wise: a scratch of the input's size when it completes."""
 
@@ -174,6 +186,8 @@ def fake_world(world: int, rank: int = 0, *, backend: str = "nccl") -> Iterator[
             patched(dist, "get_backend", lambda group=None: backend),
             patched(dist.Work, "is_completed", lambda self: True),
             patched(fsdp_param_module, "_chunk_with_empty", _LazyChunks),
+            patched(flat_param_module, "_data_ptr_allocated", _storage_allocated),
+            patched(flat_param_module, "_same_storage", _same_storage),
             ExitStack() as gloo,
         ):
             if backend == "gloo":  # torch.distributed re-exports distributed_c10d's function: patch both names

@@ -1,0 +1,88 @@
+"""FSDP1 (``FullyShardedDataParallel``) against DDP on gloo at world 2 and 3: every sharding strategy, fp32 and bf16.
+
+One suite run (a real ``zbench run``): ``NO_SHARD`` (stage 0), ``SHARD_GRAD_OP`` (stage 2) and
+``FULL_SHARD`` (stage 3) with gradient accumulation and clipping, next to DDP and its noise twin.
+Each case must be equivalent to DDP (loss, gradient norm, parameters, model-state bytes), hold the
+model states its layout implies within 2% (``SHARD_GRAD_OP`` holds sharded parameters between
+steps: ``Capabilities.parameters_sharded_from_stage``), and send what its declared pattern says.
+Its CPU offload needs an accelerator, so on CPU those cases are skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import zbench
+
+SUITE = """
+name: fsdp1
+device: cpu
+models: tiny
+implementations: [ddp, fsdp1]
+world_sizes: [2, 3]
+precisions: [fp32, bf16]
+offload: [none, optimizer+params]
+steps: 6
+warmup_steps: 1
+micro_batch: 2
+grad_accum: 2
+grad_clip: 1.0
+timeout_s: 300
+optimizer: {name: adamw, lr: 0.001, weight_decay: 0.01}
+"""
+STRATEGIES = {0: "NO_SHARD", 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
+KEYS = [(stage, world, precision) for stage in STRATEGIES for world in (2, 3) for precision in ("fp32", "bf16")]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp1")
+    (tmp / "s.yaml").write_text(SUITE)
+    r = zbench("run", str(tmp / "s.yaml"), "--results", str(tmp / "results"), "--report", str(tmp / "rep"))
+    cases = [json.loads(p.read_text()) for p in (tmp / "results").glob("*/cases/*.json")]
+    return r, {
+        (c["config"]["stage"], c["config"]["world_size"], c["config"]["precision"], c["config"]["offload"]): c
+        for c in cases
+        if c["config"]["implementation"] == "fsdp1"
+    }
+
+
+def _id(key: tuple[int, int, str]) -> str:
+    return f"{STRATEGIES[key[0]]}-w{key[1]}-{key[2]}"
+
+
+@pytest.mark.parametrize("key", KEYS, ids=_id)
+def test_equivalent_to_ddp(run, key):
+    _, cases = run
+    case = cases[(*key, "none")]
+    assert case["status"] == "ok", case.get("error")
+    equivalence = case["equivalence"]
+    assert equivalence["equivalent"], equivalence
+    if key[2] == "fp32":  # the same arithmetic as DDP up to the order of a sum
+        loss = next(c for c in equivalence["checks"] if c["name"] == "loss")
+        assert loss["figure"] <= 1e-6, loss
+
+
+@pytest.mark.parametrize("key", KEYS, ids=_id)
+def test_model_states_and_traffic_as_declared(run, key):
+    """The declared volume is one micro-batch's; with 2 micro-batches ``FULL_SHARD`` gathers for each (forward
+    and backward, the root once), while ``no_sync`` defers the reduction to the last one and ``SHARD_GRAD_OP``
+    keeps its gathered parameters across them."""
+    _, cases = run
+    case = cases[(*key, "none")]
+    assert abs(case["model_state"]["error_rel"]) <= 0.02, case["model_state"]
+    comms, psi = case["comms"], case["model_parameters"]
+    expected = comms["expected_elements"]
+    if key[0] == 3:
+        expected += (case["config"]["grad_accum"] - 1) * (expected - psi)  # every gather again; one reduce-scatter
+    assert abs(comms["elements_per_step"] - expected) <= 0.01 * expected, (comms["elements_per_step"], comms["by_op"])
+
+
+def test_offload_on_cpu_is_skipped_with_the_reason(run):
+    result, cases = run
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    skipped = cases[(3, 2, "fp32", "optimizer+params")]
+    assert skipped["status"] == "skipped" and "offload runs on cuda" in skipped["skip_reason"]
+    assert cases[(2, 2, "fp32", "optimizer+params")]["skip_reason"].startswith("parameter offload needs stage 3")
