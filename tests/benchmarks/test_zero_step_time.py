@@ -43,9 +43,16 @@ BARS = {"zero1": 1.10, "zero2": 1.10, "zero3": 1.30}
 """Highest paired ratio to DDP allowed: the engine's goals plus 5 points of noise (see the module docstring)."""
 
 
+def engine_spec(label: str) -> tuple[str, int]:
+    """``IMPL`` or ``IMPL@STAGE`` (``fsdp1@2``: FSDP1's SHARD_GRAD_OP) as (implementation, stage); the
+    implementation's highest stage when none is named."""
+    impl, _, stage = label.partition("@")
+    return impl, int(stage) if stage else max(registry.resolve(impl).capabilities.stages)
+
+
 @dataclass(frozen=True)
 class Workload:
-    """What every engine trains, and which engines: ``runs`` maps a label to (implementation, options)."""
+    """What every engine trains, and which engines: ``runs`` maps a label to (``IMPL[@STAGE]``, options)."""
 
     world: int = 2
     model: str = "small"
@@ -60,8 +67,9 @@ class Workload:
 def _rank(rank: int, world: int, work: Workload) -> dict[str, list[float]]:
     """Each engine's post-warm-up step times on this rank, step by step (the same steps for every engine)."""
     engines = {}
-    for label, (impl, options) in work.runs.items():
-        spec = TrainSpec(device=torch.device("cpu"), precision=work.precision, lr=1e-3, options=options)
+    for label, (name, options) in work.runs.items():
+        impl, stage = engine_spec(name)
+        spec = TrainSpec(device=torch.device("cpu"), precision=work.precision, lr=1e-3, stage=stage, options=options)
         engines[label] = registry.resolve(impl).build(build_model(work.model, seed=0), spec, dist.group.WORLD)
     cfg = get_config(work.model)
     names = list(work.runs)
@@ -147,7 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--impls", nargs="+", default=list(IMPLS))
+    parser.add_argument(
+        "--impls", nargs="+", default=list(IMPLS), help="IMPL or IMPL@STAGE (fsdp1@2 is SHARD_GRAD_OP), DDP first"
+    )
     parser.add_argument("--options", default="{}", help='zero options by name, JSON: \'{"zero2": {"bucket_mb": 8}}\'')
     parser.add_argument(
         "--variant",
@@ -157,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     options = json.loads(args.options)
-    runs = {name: (name, options.get(name, {}) if name != "ddp" else {}) for name in args.impls}
+    runs = {name: (name, options.get(name, {})) for name in args.impls}
     for variant in args.variant:  # LABEL=IMPL:JSON
         label, _, rest = variant.partition("=")
         impl, _, opts = rest.partition(":")
