@@ -6,6 +6,7 @@ other implementation by import path (``my_pkg.engine:MyZero``).
 
 BUILTIN: dict[str, str] = {
     "ddp": "zbench.implementations.ddp:IMPLEMENTATION",
+    "deepspeed": "zbench.implementations.deepspeed_zero:IMPLEMENTATION",
     "fsdp": "zbench.implementations.fsdp:IMPLEMENTATION",
     "fsdp1": "zbench.implementations.fsdp1:IMPLEMENTATION",
     "torch_zero": "zbench.implementations.torch_zero:IMPLEMENTATION",

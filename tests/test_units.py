@@ -332,3 +332,17 @@ def test_gpu_inventory_finds_gpu_branches_and_only_them():
     gpu = {i for i, text in enumerate(lines, 1) if text.endswith("# GPU")}
     assert {i for i in guards.guard if lines[i - 1].strip()} == gpu
     assert guards.function[5] == "f" and guards.function[14] == "g"
+
+
+def test_deepspeed_cases_are_skipped_with_the_install_hint_where_it_is_absent(monkeypatch):
+    """The adapter imports without DeepSpeed; its capabilities then say why nothing can run."""
+    import importlib.util
+
+    from zbench.implementations.deepspeed_zero import IMPLEMENTATION, INSTALL_HINT
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    reason = IMPLEMENTATION.capabilities.why_unsupported(
+        stage=3, precision="fp32", offload="none", device="cpu", optimizer="adamw", grad_accum=1, grad_clip=None
+    )
+    assert reason == INSTALL_HINT and "pip install" in reason

@@ -67,6 +67,8 @@ class Capabilities:
     even in fp32); False when the offloaded fp32 shard is itself what the optimizer steps (FSDP2's CPU offload)."""
     offload_devices: frozenset[str] = frozenset({"cpu", "cuda"})
     """Devices its offload modes run on (FSDP1's CPU offload copies to an accelerator and needs one)."""
+    missing: str | None = None
+    """Why it cannot run on this install at all (an optional dependency that is absent), or ``None``."""
     parameters_sharded_from_stage: int = 3
     """The lowest stage at which parameters are sharded *between steps*: 3 for ZeRO, whose stage 2 keeps them
     whole; 2 for FSDP1, whose ``SHARD_GRAD_OP`` frees the gathered parameters after backward and gathers them
@@ -84,6 +86,8 @@ class Capabilities:
         grad_clip: float | None,
     ) -> str | None:
         """The reason this combination cannot run, or ``None`` when it can."""
+        if self.missing:
+            return self.missing
         if stage not in self.stages:
             return f"stage {stage} not supported (supports {sorted(self.stages)})"
         if precision not in self.precisions:

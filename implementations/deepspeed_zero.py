@@ -1,0 +1,201 @@
+"""DeepSpeed's ZeRO (stages 1-3, optimizer and parameter offload), the implementation most users run today.
+
+An optional extra (``pip install -e ".[deepspeed]"``; on CPU ``DS_BUILD_OPS=0`` installs it
+without compiling kernels): without it this module still imports, and every case is
+skipped with that reason. ``deepspeed`` itself is imported only when an engine is built.
+
+Mapped onto DeepSpeed's config so that it trains as every other implementation does:
+
+- the optimizer is the suite's own torch optimizer, handed to ``deepspeed.initialize`` (a
+  client optimizer; with offload ``zero_force_ds_cpu_optimizer: false`` keeps it instead of
+  DeepSpeed's CPU Adam), and DeepSpeed wraps it with its ZeRO partitioning;
+- bf16 keeps bf16 parameters with fp32 master partitions, reduces and accumulates gradients
+  in fp32 (``communication_data_type``, ``grad_accum_dtype``), as the reference engine does;
+- gradient accumulation is DeepSpeed's (``gradient_accumulation_steps``: ``step()`` after
+  each micro-batch steps the optimizer at the boundary), clipping its ``gradient_clipping``;
+- offload ``optimizer`` is ``offload_optimizer: cpu``; ``optimizer+params`` adds
+  ``offload_param: cpu`` (stage 3). NVMe needs DeepSpeed's async I/O kernels, which a
+  ``DS_BUILD_OPS=0`` install does not have, so it is not offered.
+
+DeepSpeed needs ``LOCAL_RANK`` (its launcher sets it) and picks its accelerator at import:
+both are set from the case before the import (``DS_ACCELERATOR=cpu`` on CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, TrainSpec
+from zbench.state_bytes import empty_state_bytes, moved_to_host, optimizer_tensors, storage_key, tensor_bytes
+
+#: Where DeepSpeed's ZeRO optimizers keep the fp32 master partitions (stages 1-2, stage 1 in bf16, stage 3).
+MASTER_ATTRIBUTES = ("single_partition_of_fp32_groups", "fp32_groups_flat_partition", "fp32_partitioned_groups_flat")
+INSTALL_HINT = "DeepSpeed is not installed: pip install -e '.[deepspeed]' (on CPU: DS_BUILD_OPS=0 pip install ...)"
+#: DeepSpeed's buckets (elements): its defaults (5e8) would allocate gigabytes for any model.
+BUCKET_ELEMENTS = 50_000_000
+
+
+def deepspeed_config(spec: TrainSpec, micro_batch: int) -> dict[str, Any]:
+    """The DeepSpeed config that trains as ``spec`` says (see the module docstring)."""
+    zero: dict[str, Any] = {
+        "stage": spec.stage,
+        "reduce_bucket_size": BUCKET_ELEMENTS,
+        "allgather_bucket_size": BUCKET_ELEMENTS,
+    }
+    if spec.offload in ("optimizer", "optimizer+params"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": spec.device.type == "cuda"}
+    if spec.offload == "optimizer+params":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": spec.device.type == "cuda"}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": spec.grad_accum,
+        "gradient_clipping": spec.grad_clip or 0.0,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if spec.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+        config["communication_data_type"] = "fp32"
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
+
+
+def _prepare_environment(spec: TrainSpec) -> None:
+    """What DeepSpeed's launcher would have set, before ``deepspeed`` is first imported."""
+    local = spec.device.index if spec.device.type == "cuda" and spec.device.index is not None else dist.get_rank()
+    os.environ.setdefault("LOCAL_RANK", str(local))
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if spec.device.type == "cuda" else "cpu")
+
+
+def _tensors_held_by(obj: object, depth: int = 3) -> list[torch.Tensor]:
+    """Every tensor in ``obj``'s attributes, in lists, tuples and dicts down to ``depth`` levels (not the base
+    optimizer, counted as optimizer state)."""
+    found: list[torch.Tensor] = []
+
+    def walk(value: object, level: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif level < depth and isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item, level + 1)
+        elif level < depth and isinstance(value, dict):
+            for item in value.values():
+                walk(item, level + 1)
+
+    for name, value in vars(obj).items():
+        if name != "optimizer":
+            walk(value, 0)
+    return found
+
+
+class DeepSpeedEngine(EngineBase):
+    def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
+        if group is not None and group is not dist.group.WORLD:
+            raise ValueError("the DeepSpeed adapter runs on the default process group only")
+        _prepare_environment(spec)
+        import deepspeed
+
+        self.spec = spec
+        self._micro_batch_rows: int | None = None
+        self._model, self._deepspeed = model, deepspeed
+        self.engine: Any = None
+
+    def _build(self, rows: int) -> None:
+        """DeepSpeed's config names the micro-batch size, known from the first batch."""
+        optimizer = self.spec.make_optimizer(self._model.parameters())
+        self.engine, self.optimizer, _, _ = self._deepspeed.initialize(
+            model=self._model,
+            optimizer=optimizer,
+            config=deepspeed_config(self.spec, rows),
+            dist_init_required=False,
+        )
+
+    def step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        if self.engine is None:
+            self._build(micro_batches[0][0].shape[0])
+        total = torch.zeros((), device=micro_batches[0][0].device)
+        for batch in micro_batches:
+            loss = self.engine(*batch)
+            self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
+            self.engine.step()  # steps the optimizer at the accumulation boundary only
+            total += loss.detach().float()
+        return total / len(micro_batches)
+
+    def metrics(self) -> dict[str, float]:
+        norm = None if self.engine is None else self.engine.get_global_grad_norm()
+        return {} if norm is None else {"grad_norm": float(norm)}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """The fp32 master values (gathered), which every rank steps; bf16 copies would add their rounding."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = self.engine.module if self.engine is not None else self._model
+        out = {}
+        for name, p in module.named_parameters():
+            full = safe_get_full_fp32_param(p) if self.engine is not None else p
+            out[name] = full.detach().float().cpu().clone()
+        return out
+
+    def state_bytes(self) -> dict[str, dict[str, int]]:
+        """DeepSpeed's own partitions, each storage once: the compute parameters (stage 3: each parameter's
+        ``ds_tensor`` shard), the fp32 master partitions, the base optimizer's state, and as gradients every
+        other tensor its ZeRO optimizer holds between steps (gradient partitions and flat gradient buffers,
+        which DeepSpeed keeps or frees depending on stage and precision)."""
+        out = empty_state_bytes()
+        if self.engine is None:
+            return out
+        zero, device = self.optimizer, self.spec.device
+        params = list(self.engine.module.parameters())
+        compute = [p.ds_tensor for p in params] if self.spec.stage == 3 else params
+        masters = [t for name in MASTER_ATTRIBUTES for t in getattr(zero, name, [])]
+        state = optimizer_tensors(zero.optimizer)
+        counted = {storage_key(t) for t in (*compute, *masters, *state)}
+        others = [t for t in _tensors_held_by(zero) if storage_key(t) not in counted]
+        out["parameters"] = tensor_bytes(compute, compute_device=device)
+        out["master_weights"] = tensor_bytes(masters, compute_device=device)
+        out["optimizer_state"] = tensor_bytes(state, compute_device=device)
+        out["gradients"] = tensor_bytes([*others, *(m.grad for m in masters)], compute_device=device)
+        return self._offloaded(out)
+
+    def _offloaded(self, state: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+        """On a CPU-only run the host tiers are on the compute device too: count them where they are meant to be."""
+        if self.spec.device.type != "cpu" or self.spec.offload == "none":
+            return state
+        moved = ["master_weights", "optimizer_state", "gradients"]
+        if self.spec.offload == "optimizer+params":
+            moved.append("parameters")
+        return {cat: (moved_to_host({cat: locs})[cat] if cat in moved else locs) for cat, locs in state.items()}
+
+    def close(self) -> None:
+        self.engine = None
+
+
+class DeepSpeed(ImplementationBase):
+    name = "deepspeed"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            stages=frozenset({1, 2, 3}),
+            precisions=frozenset({"fp32", "bf16"}),
+            offload=frozenset({"none", "optimizer", "optimizer+params"}),
+            keeps_master_weights=True,
+            state_allowance=None,  # its buffers vary by stage, precision and offload: docs/methods.md#deepspeed
+            missing=None if importlib.util.find_spec("deepspeed") else INSTALL_HINT,
+        )
+
+    def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> DeepSpeedEngine:
+        return DeepSpeedEngine(model, spec, group)
+
+
+IMPLEMENTATION = DeepSpeed()
