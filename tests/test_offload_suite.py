@@ -31,8 +31,8 @@ nvme_dir: {nvme}
 
 #: (implementation, offload) -> why it is skipped (a fragment of the reason)
 SKIPPED = {
-    ("zero1", "optimizer+params"): "not supported",
-    ("zero2", "optimizer+params"): "not supported",
+    ("zero1", "optimizer+params"): "parameter offload needs stage 3",
+    ("zero2", "optimizer+params"): "parameter offload needs stage 3",
     ("fsdp", "optimizer"): "not supported",
     ("fsdp", "nvme"): "not supported",
 }
