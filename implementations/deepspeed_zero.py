@@ -43,17 +43,26 @@ BUCKET_ELEMENTS = 50_000_000
 
 
 def deepspeed_config(spec: TrainSpec, micro_batch: int) -> dict[str, Any]:
-    """The DeepSpeed config that trains as ``spec`` says (see the module docstring)."""
+    """The DeepSpeed config that trains as ``spec`` says (see the module docstring).
+
+    A user's config (``options["config"]``, from a suite's ``deepspeed_config``) is the base: its
+    settings are kept, those the harness maps (batch, accumulation, clipping, precision, stage, offload)
+    were read from it and agree, and its optimizer and scheduler give way to the client optimizer.
+    """
+    user = {k: v for k, v in dict(spec.options.get("config") or {}).items() if k not in ("optimizer", "scheduler")}
+    user.pop("train_batch_size", None)  # DeepSpeed derives it from the two below
     zero: dict[str, Any] = {
-        "stage": spec.stage,
         "reduce_bucket_size": BUCKET_ELEMENTS,
         "allgather_bucket_size": BUCKET_ELEMENTS,
+        **dict(user.get("zero_optimization") or {}),
+        "stage": spec.stage,
     }
-    if spec.offload in ("optimizer", "optimizer+params"):
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": spec.device.type == "cuda"}
-    if spec.offload == "optimizer+params":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": spec.device.type == "cuda"}
+    pinned = spec.device.type == "cuda"  # nothing to pin for on a CPU run
+    sections = {"optimizer": ["offload_optimizer"], "optimizer+params": ["offload_optimizer", "offload_param"]}
+    for section in sections.get(spec.offload, []):
+        zero[section] = {"device": "cpu", **dict(zero.get(section) or {}), **({} if pinned else {"pin_memory": False})}
     config: dict[str, Any] = {
+        **user,
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": spec.grad_accum,
         "gradient_clipping": spec.grad_clip or 0.0,
@@ -63,10 +72,10 @@ def deepspeed_config(spec: TrainSpec, micro_batch: int) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    if spec.precision == "bf16":
-        config["bf16"] = {"enabled": True}
-        config["communication_data_type"] = "fp32"
-        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if spec.precision == "bf16":  # reduced and accumulated in fp32, unless the user's config says otherwise
+        config["bf16"] = {**dict(user.get("bf16") or {}), "enabled": True}
+        config.setdefault("communication_data_type", "fp32")
+        config.setdefault("data_types", {"grad_accum_dtype": "fp32"})
     return config
 
 

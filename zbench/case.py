@@ -66,6 +66,8 @@ class Case(BaseModel):
     paired_seconds: float = 0.0
     """...and more rounds until this long has passed: the gate's power on a noisy machine."""
     skip_reason: str | None = None
+    not_applied: list[str] = Field(default_factory=list)
+    """Settings of the suite's DeepSpeed config this implementation does not apply (``zbench.deepspeed_config``)."""
     capabilities: Capabilities | None = None
     """What the implementation declared when the run resolved it; ``None`` in records from schema 1."""
 

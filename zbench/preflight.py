@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 from zbench import nvme, registry
 from zbench.case import REFERENCE, Case
 from zbench.errors import UsageError
 from zbench.formulas import offload_supported
 from zbench.model_source import ModelSourceError, model_info
-from zbench.protocol import Implementation
+from zbench.protocol import Capabilities, Implementation
 from zbench.suite import ImplementationEntry, SuiteConfig, SuiteFile
 from zbench.values import DeviceKind
+
+#: The implementation that takes a suite's DeepSpeed config whole.
+DEEPSPEED = "deepspeed"
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,27 @@ def check_models(config: SuiteConfig, source: str) -> None:
             )
 
 
+def deepspeed_settings(
+    config: SuiteConfig, name: str, caps: Capabilities, stage: int, offload: str, options: dict[str, Any]
+) -> tuple[dict[str, Any], str, list[str]]:
+    """(options, offload, settings not applied) for one implementation of a suite that names a DeepSpeed config.
+
+    DeepSpeed gets the whole config (as its ``config`` option); any other implementation the settings that
+    correspond, running without offload where it lacks the config's mode (the offload keys then join
+    what it does not apply).
+    """
+    source = config.deepspeed_config
+    assert source is not None
+    if name == DEEPSPEED:
+        return {**options, "config": source.settings}, offload, list(source.not_applied_by_deepspeed)
+    not_applied = list(source.deepspeed_only)
+    if offload != "none" and (offload not in caps.offload or offload_supported(stage, offload)):
+        zero = source.settings.get("zero_optimization", {})
+        not_applied += [f"zero_optimization.{k}" for k in ("offload_optimizer", "offload_param") if k in zero]
+        offload = "none"
+    return options, offload, sorted(not_applied)
+
+
 def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str, Implementation]) -> list[Case]:
     """The cartesian product of the suite's axes as cases, DDP first in each group, unsupported ones skipped."""
     cases = []
@@ -112,7 +137,13 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
         caps = implementations[entry.name].capabilities
         stages = entry.stages or sorted(caps.stages)
         offloads = config.offload if entry.name != REFERENCE else ["none"]
+        from_deepspeed = config.deepspeed_config is not None and entry.name != REFERENCE
+        if from_deepspeed:
+            stages = [config.deepspeed_config.stage]  # type: ignore[union-attr]  # (checked just above)
         for stage, offload in itertools.product(stages, offloads):
+            options, not_applied = dict(entry.options), list[str]()
+            if from_deepspeed:
+                options, offload, not_applied = deepspeed_settings(config, entry.name, caps, stage, offload, options)
             case = Case(
                 model=model,
                 implementation=entry.name,
@@ -133,7 +164,8 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
                 weight_decay=config.optimizer.weight_decay,
                 momentum=config.optimizer.momentum,
                 grad_clip=config.grad_clip,
-                options=dict(entry.options),
+                options=options,
+                not_applied=not_applied,
                 nvme_dir=config.nvme_dir,
                 target_loss=config.target_loss,
                 keep_params=config.keep_params,

@@ -11,6 +11,7 @@ machine and expands the axes into cases.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -67,6 +68,48 @@ class ImplementationEntry(_Frozen):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
+class DeepSpeedSource(_Frozen):
+    """A DeepSpeed JSON config the suite trains (``zbench.deepspeed_config``): read, mapped, kept whole."""
+
+    path: str
+    stage: int
+    settings: dict[str, Any]
+    deepspeed_only: list[str] = Field(default_factory=list)
+    not_applied_by_deepspeed: list[str] = Field(default_factory=list)
+
+
+#: Suite keys a DeepSpeed config sets; a suite naming a config must leave them to it.
+DEEPSPEED_SETS = ("precisions", "offload", "micro_batch", "grad_accum", "grad_clip", "optimizer")
+
+
+def _with_deepspeed_config(data: dict[str, Any], base: Path, source: str) -> dict[str, Any]:
+    """``data`` with the settings of the DeepSpeed config it names (a path relative to ``base``) filled in."""
+    from zbench.deepspeed_config import DeepSpeedConfigError
+    from zbench.deepspeed_config import read as read_deepspeed
+
+    named = data.get("deepspeed_config")
+    if not isinstance(named, str):
+        return data
+    path = Path(named) if Path(named).is_absolute() else base / named
+    try:
+        mapped = read_deepspeed(path)
+    except DeepSpeedConfigError as exc:
+        raise UsageError(f"{source}: deepspeed_config: {exc}") from None
+    both = [k for k in DEEPSPEED_SETS if k in data and k in mapped.suite]
+    if both:
+        raise UsageError(f"{source}: {', '.join(both)} set by both the suite and {named}; keep one")
+    out = {k: v for k, v in data.items() if k != "deepspeed_config"}
+    out.update({k: v for k, v in mapped.suite.items() if k != "stage"})
+    out["deepspeed_config"] = DeepSpeedSource(
+        path=str(path),
+        stage=mapped.suite["stage"],
+        settings=mapped.settings,
+        deepspeed_only=mapped.deepspeed_only,
+        not_applied_by_deepspeed=mapped.not_applied_by_deepspeed,
+    )
+    return out
+
+
 class SuiteConfig(_Frozen):
     """The validated content of a suite file."""
 
@@ -105,6 +148,9 @@ class SuiteConfig(_Frozen):
     paired_seconds: float = Field(0.0, ge=0)
     """...and more paired rounds until this many seconds have passed (at least ``paired_rounds``): on a loaded
     CPU machine each ratio is noisy and the gate needs hundreds of rounds to see 10% (docs/methods.md)."""
+    deepspeed_config: DeepSpeedSource | None = None
+    """A DeepSpeed JSON config (path, relative to the suite file) whose settings the suite trains: DeepSpeed gets
+    it whole, every other implementation what corresponds, each case listing what it does not apply."""
     noise_twin: bool = True
     """Run each DDP reference twice, the second time with its batch split another way, to measure the noise floor
     the equivalence bounds scale with (docs/methods.md#equivalence); off: fixed bounds."""
@@ -164,10 +210,12 @@ def _allowed_keys(loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
-def from_dict(data: Any, *, source: str = "suite") -> SuiteConfig:
-    """Validate a suite given as a mapping; every problem is a ``UsageError`` naming ``source``."""
+def from_dict(data: Any, *, source: str = "suite", base: Path | None = None) -> SuiteConfig:
+    """Validate a suite given as a mapping (paths in it relative to ``base``, default the working directory);
+    every problem is a ``UsageError`` naming ``source``."""
     if not isinstance(data, dict):
         raise UsageError(f"{source}: a suite must be a YAML mapping of keys to values, got {type(data).__name__}")
+    data = _with_deepspeed_config(data, base or Path.cwd(), source)
     try:
         return SuiteConfig(**data)
     except ValidationError as exc:
@@ -194,8 +242,11 @@ def read(path: str | Path) -> SuiteFile:
         raise UsageError(f"{path}:{where}: malformed YAML: {problem}") from None
     if isinstance(data, dict):
         data.setdefault("name", path.stem)
-    config = from_dict(data, source=str(path))
-    return SuiteFile(path=str(path), sha256=hashlib.sha256(raw).hexdigest(), config=config)
+    config = from_dict(data, source=str(path), base=path.parent)
+    digest = hashlib.sha256(raw)
+    if config.deepspeed_config is not None:  # the config file is part of what the suite trains
+        digest.update(json.dumps(config.deepspeed_config.settings, sort_keys=True).encode())
+    return SuiteFile(path=str(path), sha256=digest.hexdigest(), config=config)
 
 
 def from_flags(config: SuiteConfig) -> SuiteFile:
