@@ -111,6 +111,12 @@ class DeepSpeedEngine(EngineBase):
     def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         if group is not None and group is not dist.group.WORLD:
             raise ValueError("the DeepSpeed adapter runs on the default process group only")
+        unknown = sorted(set(spec.options) - {"config"})
+        if unknown or not isinstance(spec.options.get("config", {}), dict):
+            raise ValueError(
+                f"deepspeed takes one option, config (a DeepSpeed config as a mapping; or name the JSON file as the "
+                f"suite's deepspeed_config), got {dict(spec.options)!r}"
+            )
         _prepare_environment(spec)
         import deepspeed
 
@@ -200,6 +206,8 @@ class DeepSpeed(ImplementationBase):
             offload=frozenset({"none", "optimizer", "optimizer+params"}),
             keeps_master_weights=True,
             state_allowance=None,  # its buffers vary by stage, precision and offload: docs/methods.md#deepspeed
+            untraceable="DeepSpeed moves and partitions the model itself (module._apply, its own accelerator and "
+            "communication setup), which fake tensors in a fake process group do not support yet",
             missing=None if importlib.util.find_spec("deepspeed") else INSTALL_HINT,
         )
 

@@ -57,11 +57,18 @@ def test_the_documented_config_maps_onto_the_suite():
     [
         ({"zero_optimisation": {"stage": 2}}, "did you mean 'zero_optimization'"),
         ({"zero_optimization": {"stage": 2, "overlap_com": True}}, "did you mean 'overlap_comm'"),
-        ({"zero_optimization": {"stage": 4}}, "stage must be 0-3"),
-        ({"optimizer": {"type": "Lamb"}}, "optimizer type 'Lamb'"),
-        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "both enabled"),
-        ({"train_micro_batch_size_per_gpu": 0}, "positive integer"),
-        ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, "allowed cpu, nvme, none"),
+        ({"zero_optimization": {"stage": 4}}, "stage must be 1, 2 or 3"),
+        ({"bf16": {"enabled": True}}, "stage 0 is plain data parallelism"),
+        ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "old spelling"),
+        ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param needs stage 3"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "without offload_optimizer"),
+        ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}, "bf16.enabled: 'auto'"),
+        ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}, "reduce_bucket_size: 'auto'"),
+        ({"zero_optimization": {"stage": 2}, "bf16": True}, "bf16 must be a mapping"),
+        ({"zero_optimization": {"stage": 1}, "optimizer": {"type": "Lamb"}}, "optimizer type 'Lamb'"),
+        ({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}, "fp16": {"enabled": True}}, "both enabled"),
+        ({"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 0}, "positive integer"),
+        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "gpu"}}}, "allowed cpu, nvme, none"),
     ],
 )
 def test_what_cannot_be_mapped_is_refused(settings, message):

@@ -182,6 +182,8 @@ def test_plan_trace_bad_input(cli):
     assert r.returncode == 2 and "expected KEY=VALUE" in r.stderr
     r = cli("plan", "--model", "tiny", "--option", "prefetch=2")
     assert r.returncode == 2 and "add --trace" in r.stderr
+    r = cli("plan", "--trace", "--model", "tiny", "-i", "deepspeed")  # installed or not, it does not trace
+    assert r.returncode == 2 and "nothing to trace: deepspeed:" in r.stderr
 
 
 def test_plan_trace_options_reach_the_implementation(cli):

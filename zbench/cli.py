@@ -340,7 +340,7 @@ def plan(
             metavar="KEY=VALUE",
             help="With --trace: an implementation option, as a suite's `options:` (repeatable; VALUE is read as "
             "YAML), given to every traced implementation; e.g. nvme_chunk_mb=256 for the reference ZeRO engine's "
-            "NVMe sub-groups. ddp, fsdp and torch_zero take no options and ignore it.",
+            "NVMe sub-groups. ddp, fsdp, fsdp1 and torch_zero take no options and ignore it.",
         ),
     ] = None,
     device: Annotated[
@@ -518,6 +518,11 @@ def _plan_trace(
     bad = [o for o in offloads or () if o not in OFFLOAD_MODES]
     if bad:
         raise UsageError(f"--offload: unknown {', '.join(bad)}; allowed: {', '.join(OFFLOAD_MODES)}")
+    skipped = trace_mod.untraceable(names)
+    if len(skipped) == len(set(names)):
+        raise UsageError(f"--implementation: nothing to trace: {'; '.join(f'{n}: {r}' for n, r in skipped.items())}")
+    for name, reason in skipped.items():
+        print(f"{name}: not traced: {reason}", file=sys.stderr)
     combos = trace_mod.combinations(names, offloads or OFFLOAD_MODES, dev)
     if not combos:
         raise UsageError(f"nothing to trace: no implementation given runs the offload modes given on {dev}")

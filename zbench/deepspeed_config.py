@@ -88,7 +88,13 @@ def _suggest(key: str, known: frozenset[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _offload(zero: dict[str, Any]) -> str:
+def _offload(zero: dict[str, Any], stage: int) -> str:
+    for legacy in ("cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory"):
+        if legacy in zero:
+            raise DeepSpeedConfigError(
+                f"zero_optimization.{legacy} is DeepSpeed's old spelling: use offload_optimizer / offload_param"
+            )
+
     def device(section: str) -> str:
         value = zero.get(section) or {}
         if not isinstance(value, dict):
@@ -96,6 +102,13 @@ def _offload(zero: dict[str, Any]) -> str:
         return str(value.get("device", "none")).lower()
 
     optimizer, params = device("offload_optimizer"), device("offload_param")
+    if params != "none" and stage != 3:
+        raise DeepSpeedConfigError(f"zero_optimization.offload_param needs stage 3 (the config says {stage})")
+    if params != "none" and optimizer == "none":
+        raise DeepSpeedConfigError(
+            "offload_param without offload_optimizer: zbench offloads parameters only with the optimizer "
+            "(its optimizer+params mode)"
+        )
     if "nvme" in (optimizer, params):
         return "nvme"
     if params == "cpu":
@@ -105,6 +118,28 @@ def _offload(zero: dict[str, Any]) -> str:
     if {optimizer, params} <= {"none"}:
         return "none"
     raise DeepSpeedConfigError(f"zero_optimization offload device {optimizer!r}/{params!r}: allowed cpu, nvme, none")
+
+
+#: Keys where ``"auto"`` means "from the suite" (the batch sizes the harness sets anyway).
+_AUTO_ALLOWED = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+)
+
+
+def _no_auto(settings: dict[str, Any]) -> None:
+    """``"auto"`` is a placeholder Hugging Face's Trainer fills in; zbench cannot guess it but for the batch keys."""
+
+    def walk(value: Any, where: str) -> None:
+        if value == "auto" and where not in _AUTO_ALLOWED:
+            raise DeepSpeedConfigError(f"{where}: 'auto' is a Hugging Face placeholder; write the value")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{where}.{key}" if where else str(key))
+
+    walk(settings, "")
 
 
 def _number(value: Any, key: str) -> float | None:
@@ -129,13 +164,22 @@ def map_config(settings: Any) -> Mapped:
         if key not in ZERO_KEYS:
             raise DeepSpeedConfigError(f"unknown key zero_optimization.{key!r}{_suggest(key, ZERO_KEYS)}")
     stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise DeepSpeedConfigError(f"zero_optimization.stage must be 0-3, got {stage!r}")
-    enabled = {p for p in ("bf16", "fp16") if isinstance(settings.get(p), dict) and settings[p].get("enabled")}
+    if stage not in (1, 2, 3):
+        raise DeepSpeedConfigError(
+            f"zero_optimization.stage must be 1, 2 or 3, got {stage!r} (stage 0 is plain data parallelism: DDP, "
+            "the reference every suite runs)"
+        )
+    _no_auto(settings)
+    for section in ("bf16", "fp16"):
+        if section in settings and not isinstance(settings[section], dict):
+            raise DeepSpeedConfigError(
+                f'{section} must be a mapping such as {{"enabled": true}}, got {settings[section]!r}'
+            )
+    enabled = {p for p in ("bf16", "fp16") if p in settings and settings[p].get("enabled")}
     if len(enabled) > 1:
         raise DeepSpeedConfigError("bf16 and fp16 are both enabled")
     suite: dict[str, Any] = {"stage": stage, "precisions": [enabled.pop() if enabled else "fp32"]}
-    suite["offload"] = [_offload(zero)]
+    suite["offload"] = [_offload(zero, stage)]
     for key, name in (("train_micro_batch_size_per_gpu", "micro_batch"), ("gradient_accumulation_steps", "grad_accum")):
         value = _number(settings.get(key), key)
         if value is not None:

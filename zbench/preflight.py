@@ -104,7 +104,13 @@ def check_models(config: SuiteConfig, source: str) -> None:
 
 
 def deepspeed_settings(
-    config: SuiteConfig, name: str, caps: Capabilities, stage: int, offload: str, options: dict[str, Any]
+    config: SuiteConfig,
+    name: str,
+    caps: Capabilities,
+    stage: int,
+    offload: str,
+    options: dict[str, Any],
+    device: DeviceKind,
 ) -> tuple[dict[str, Any], str, list[str]]:
     """(options, offload, settings not applied) for one implementation of a suite that names a DeepSpeed config.
 
@@ -117,7 +123,8 @@ def deepspeed_settings(
     if name == DEEPSPEED:
         return {**options, "config": source.settings}, offload, list(source.not_applied_by_deepspeed)
     not_applied = list(source.deepspeed_only)
-    if offload != "none" and (offload not in caps.offload or offload_supported(stage, offload)):
+    lacks = offload not in caps.offload or device not in caps.offload_devices or offload_supported(stage, offload)
+    if offload != "none" and lacks:
         zero = source.settings.get("zero_optimization", {})
         not_applied += [f"zero_optimization.{k}" for k in ("offload_optimizer", "offload_param") if k in zero]
         offload = "none"
@@ -143,7 +150,9 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
         for stage, offload in itertools.product(stages, offloads):
             options, not_applied = dict(entry.options), list[str]()
             if from_deepspeed:
-                options, offload, not_applied = deepspeed_settings(config, entry.name, caps, stage, offload, options)
+                options, offload, not_applied = deepspeed_settings(
+                    config, entry.name, caps, stage, offload, options, device
+                )
             case = Case(
                 model=model,
                 implementation=entry.name,

@@ -67,6 +67,8 @@ class Capabilities:
     even in fp32); False when the offloaded fp32 shard is itself what the optimizer steps (FSDP2's CPU offload)."""
     offload_devices: frozenset[str] = frozenset({"cpu", "cuda"})
     """Devices its offload modes run on (FSDP1's CPU offload copies to an accelerator and needs one)."""
+    untraceable: str | None = None
+    """Why ``zbench plan --trace`` cannot run its code on fake tensors, or ``None`` (it traces)."""
     missing: str | None = None
     """Why it cannot run on this install at all (an optional dependency that is absent), or ``None``."""
     parameters_sharded_from_stage: int = 3

@@ -11,13 +11,14 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import hashlib
+import inspect
 import os
 import signal
 import sys
 import traceback
 from functools import partial
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -55,12 +56,20 @@ def nvml_index(device: torch.device) -> int:
     return device.index
 
 
+def _declared_comm(implementation: Implementation, cfg: Any, world: int, stage: int) -> int | None:
+    """``expected_comm_elements``, also from implementations written before it took the stage (cfg, world)."""
+    method = implementation.expected_comm_elements
+    if len(inspect.signature(method).parameters) == 2:
+        return method(cfg, world)  # type: ignore[call-arg]
+    return method(cfg, world, stage)
+
+
 def expected_comm_elements(implementation: Implementation, info: ModelInfo, world: int, stage: int) -> int:
     """The implementation's own account of its traffic when it declares one (for a preset, whose layout it
     knows), else the ZeRO formula."""
     if world == 1:
         return 0  # one rank has nothing to exchange (implementations may still call collectives: DDP does)
-    declared = implementation.expected_comm_elements(info.gpt, world, stage) if info.gpt is not None else None
+    declared = _declared_comm(implementation, info.gpt, world, stage) if info.gpt is not None else None
     return int(declared) if declared is not None else comms.theory_elements(info.parameters, stage)
 
 

@@ -97,14 +97,27 @@ class TracedRow:
         }
 
 
+def untraceable(implementations: Iterable[str]) -> dict[str, str]:
+    """The implementations whose code cannot be traced here, with the reason."""
+    out = {}
+    for name in implementations:
+        caps = registry.resolve(name).capabilities
+        reason = caps.missing or caps.untraceable
+        if reason:
+            out[name] = reason
+    return out
+
+
 def combinations(
     implementations: Iterable[str], offloads: Iterable[str], device: str | None = None
 ) -> list[tuple[str, int, str]]:
     """(implementation, stage, offload) for every stage and offload mode an implementation declares (and runs on
-    ``device``, when given)."""
+    ``device``, when given), of the implementations that can be traced."""
     out: list[tuple[str, int, str]] = []
     for name in implementations:
         caps = registry.resolve(name).capabilities
+        if caps.missing or caps.untraceable:
+            continue
         for stage in sorted(caps.stages):
             for offload in OFFLOAD_MODES:
                 if offload not in offloads or offload not in caps.offload or offload_supported(stage, offload):

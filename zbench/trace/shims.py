@@ -191,9 +191,10 @@ def fake_world(world: int, rank: int = 0, *, backend: str = "nccl") -> Iterator[
             ExitStack() as gloo,
         ):
             if backend == "gloo":  # torch.distributed re-exports distributed_c10d's function: patch both names
-                scratch = _with_gloo_scratch(c10d.reduce_scatter_single)
-                gloo.enter_context(patched(c10d, "reduce_scatter_single", scratch))
-                gloo.enter_context(patched(dist, "reduce_scatter_single", scratch))
+                name = "reduce_scatter_single" if hasattr(c10d, "reduce_scatter_single") else "reduce_scatter_tensor"
+                scratch = _with_gloo_scratch(getattr(c10d, name))  # (reduce_scatter_single is new in torch 2.13)
+                gloo.enter_context(patched(c10d, name, scratch))
+                gloo.enter_context(patched(dist, name, scratch))
             yield
     finally:
         dist.destroy_process_group()

@@ -125,6 +125,10 @@ def trace_case(case: Case, *, fake: bool, device: torch.device, steps: int = 3) 
     if world != case.world_size:
         raise ValueError(f"case {case.case_id} is for {case.world_size} ranks, the process group has {world}")
     result = TraceResult(case.case_id, case.implementation, case.stage, case.offload, world, rank, fake, str(device))
+    caps = registry.resolve(case.implementation).capabilities
+    if fake and (caps.missing or caps.untraceable):
+        result.error = f"cannot trace: {caps.missing or caps.untraceable}"
+        return result
     comms.install()
     started = time.perf_counter()
     info = model_info(case.model)
