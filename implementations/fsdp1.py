@@ -52,9 +52,9 @@ class FSDP1Engine(EngineBase):
             device_id=spec.device,  # named even on CPU, where FSDP1 otherwise looks for an accelerator
             use_orig_params=True,
         )
-        blocks = cast(nn.ModuleList, model.get_submodule("blocks")) if shard_groups(model) else nn.ModuleList()
         for unit in shard_groups(model):
             if len(unit) == 1:  # blocks sharing parameters stay in the root's unit: FSDP1 wraps modules, not groups
+                blocks = cast(nn.ModuleList, model.get_submodule("blocks"))
                 index = next(i for i, b in enumerate(blocks) if b is unit[0])
                 blocks[index] = wrap(unit[0])
         self.model = wrap(model)
