@@ -121,7 +121,6 @@ class DeepSpeedEngine(EngineBase):
         import deepspeed
 
         self.spec = spec
-        self._micro_batch_rows: int | None = None
         self._model, self._deepspeed = model, deepspeed
         self.engine: Any = None
 

@@ -23,7 +23,7 @@ from zbench import registry
 from zbench.case import Case
 from zbench.formulas import offload_supported, placement_for
 from zbench.trace.shims import fake_world
-from zbench.trace.tracer import TraceResult, trace_case
+from zbench.trace.tracer import TraceResult, trace_case, why_untraceable
 from zbench.values import CATEGORIES, LOCATIONS, OFFLOAD_MODES
 
 #: Differences per category under this share of the formula are rounding, not worth a line.
@@ -99,13 +99,7 @@ class TracedRow:
 
 def untraceable(implementations: Iterable[str]) -> dict[str, str]:
     """The implementations whose code cannot be traced here, with the reason."""
-    out = {}
-    for name in implementations:
-        caps = registry.resolve(name).capabilities
-        reason = caps.missing or caps.untraceable
-        if reason:
-            out[name] = reason
-    return out
+    return {name: reason for name in implementations if (reason := why_untraceable(name))}
 
 
 def combinations(
@@ -115,9 +109,9 @@ def combinations(
     ``device``, when given), of the implementations that can be traced."""
     out: list[tuple[str, int, str]] = []
     for name in implementations:
-        caps = registry.resolve(name).capabilities
-        if caps.missing or caps.untraceable:
+        if why_untraceable(name):
             continue
+        caps = registry.resolve(name).capabilities
         for stage in sorted(caps.stages):
             for offload in OFFLOAD_MODES:
                 if offload not in offloads or offload not in caps.offload or offload_supported(stage, offload):

@@ -119,15 +119,21 @@ def _fake_mode() -> contextlib.AbstractContextManager[Any]:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def why_untraceable(implementation: str) -> str | None:
+    """Why an implementation's code cannot run on fake tensors here (absent, or declared untraceable), or None."""
+    caps = registry.resolve(implementation).capabilities
+    return caps.missing or caps.untraceable
+
+
 def trace_case(case: Case, *, fake: bool, device: torch.device, steps: int = 3) -> TraceResult:
     """Build and train ``case`` for ``steps`` steps in the current process group (``dist.group.WORLD``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != case.world_size:
         raise ValueError(f"case {case.case_id} is for {case.world_size} ranks, the process group has {world}")
     result = TraceResult(case.case_id, case.implementation, case.stage, case.offload, world, rank, fake, str(device))
-    caps = registry.resolve(case.implementation).capabilities
-    if fake and (caps.missing or caps.untraceable):
-        result.error = f"cannot trace: {caps.missing or caps.untraceable}"
+    blocker = why_untraceable(case.implementation)
+    if fake and blocker:
+        result.error = f"cannot trace: {blocker}"
         return result
     comms.install()
     started = time.perf_counter()
