@@ -25,15 +25,20 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from zbench.implementations.deepspeed_layout import deepspeed_layout, persistent_elements
 from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, TrainSpec
 from zbench.state_bytes import empty_state_bytes, moved_to_host, optimizer_tensors, storage_key, tensor_bytes
+from zbench.values import optimizer_bytes_per_param
+
+if TYPE_CHECKING:
+    from zbench.presets import GPTConfig
 
 #: Where DeepSpeed's ZeRO optimizers keep the fp32 master partitions (stages 1-2, stage 1 in bf16, stage 3).
 MASTER_ATTRIBUTES = ("single_partition_of_fp32_groups", "fp32_groups_flat_partition", "fp32_partitioned_groups_flat")
@@ -107,6 +112,10 @@ def _tensors_held_by(obj: object, depth: int = 3) -> list[torch.Tensor]:
     return found
 
 
+def _summed(*parts: dict[str, int]) -> dict[str, int]:
+    return {loc: sum(part[loc] for part in parts) for loc in parts[0]}
+
+
 class DeepSpeedEngine(EngineBase):
     def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         if group is not None and group is not dist.group.WORLD:
@@ -161,34 +170,42 @@ class DeepSpeedEngine(EngineBase):
         return out
 
     def state_bytes(self) -> dict[str, dict[str, int]]:
-        """DeepSpeed's own partitions, each storage once: the compute parameters (stage 3: each parameter's
-        ``ds_tensor`` shard), the fp32 master partitions, the base optimizer's state, and as gradients every
-        other tensor its ZeRO optimizer holds between steps (gradient partitions and flat gradient buffers,
-        which DeepSpeed keeps or frees depending on stage and precision)."""
+        """DeepSpeed's own partitions, each storage once (the categories of deepspeed_layout.py):
+
+        - parameters: the compute parameters (stage 3: each one's ``ds_tensor`` shard, and the whole tensor of
+          those it keeps persistent) and, with offload, the host staging copy of the partition;
+        - master weights: the fp32 partitions; optimizer state: the base optimizer's;
+        - gradients: every other tensor its ZeRO optimizer holds between steps (gradient partitions, flat
+          gradient buffers, offload buffers) and the masters' gradients.
+        """
         out = empty_state_bytes()
         if self.engine is None:
             return out
-        zero, device = self.optimizer, self.spec.device
+        zero = self.optimizer
         params = list(self.engine.module.parameters())
-        compute = [p.ds_tensor for p in params] if self.spec.stage == 3 else params
+        shards = [p.ds_tensor for p in params] if self.spec.stage == 3 else params
+        persistent = [p.data for p in params if getattr(p, "ds_persist", False)] if self.spec.stage == 3 else []
+        staging = list(getattr(zero, "param_buffer_of_bit16_for_cpu_offload_groups", []))
         masters = [t for name in MASTER_ATTRIBUTES for t in getattr(zero, name, [])]
         state = optimizer_tensors(zero.optimizer)
-        counted = {storage_key(t) for t in (*compute, *masters, *state)}
+        counted = {storage_key(t) for t in (*shards, *persistent, *staging, *masters, *state)}
         others = [t for t in _tensors_held_by(zero) if storage_key(t) not in counted]
-        out["parameters"] = tensor_bytes(compute, compute_device=device)
-        out["master_weights"] = tensor_bytes(masters, compute_device=device)
-        out["optimizer_state"] = tensor_bytes(state, compute_device=device)
-        out["gradients"] = tensor_bytes([*others, *(m.grad for m in masters)], compute_device=device)
-        return self._offloaded(out)
+        offloaded = self.spec.offload != "none"
+        out["parameters"] = _summed(
+            self._bytes(shards, host=self.spec.offload == "optimizer+params"),
+            self._bytes(persistent, host=False),
+            self._bytes(staging, host=True),
+        )
+        out["master_weights"] = self._bytes(masters, host=offloaded)
+        out["optimizer_state"] = self._bytes(state, host=offloaded)
+        out["gradients"] = self._bytes([*others, *(m.grad for m in masters)], host=offloaded)
+        return out
 
-    def _offloaded(self, state: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-        """On a CPU-only run the host tiers are on the compute device too: count them where they are meant to be."""
-        if self.spec.device.type != "cpu" or self.spec.offload == "none":
-            return state
-        moved = ["master_weights", "optimizer_state", "gradients"]
-        if self.spec.offload == "optimizer+params":
-            moved.append("parameters")
-        return {cat: (moved_to_host({cat: locs})[cat] if cat in moved else locs) for cat, locs in state.items()}
+    def _bytes(self, tensors: list[torch.Tensor], *, host: bool) -> dict[str, int]:
+        """Bytes by location; on a CPU-only run a host tier is on the compute device too, so ``host`` says where
+        it is meant to be."""
+        held = tensor_bytes(tensors, compute_device=self.spec.device)
+        return moved_to_host({"held": held})["held"] if host and self.spec.device.type == "cpu" else held
 
     def close(self) -> None:
         self.engine = None
@@ -204,7 +221,7 @@ class DeepSpeed(ImplementationBase):
             precisions=frozenset({"fp32", "bf16"}),
             offload=frozenset({"none", "optimizer", "optimizer+params"}),
             keeps_master_weights=True,
-            state_allowance=None,  # its buffers vary by stage, precision and offload: docs/methods.md#deepspeed
+            state_allowance=0.02,  # against its own layout (state_layout), not the ZeRO formulas
             untraceable="DeepSpeed moves and partitions the model itself (module._apply, its own accelerator and "
             "communication setup), which fake tensors in a fake process group do not support yet",
             missing=None if importlib.util.find_spec("deepspeed") else INSTALL_HINT,
@@ -212,6 +229,29 @@ class DeepSpeed(ImplementationBase):
 
     def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> DeepSpeedEngine:
         return DeepSpeedEngine(model, spec, group)
+
+    def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int:
+        """Its own pattern (one micro-batch; docs/methods.md#deepspeed), not the ZeRO formula's: at stages 1-2 it
+        all-reduces the gradients (2Ψ, where a reduce-scatter is Ψ) and all-gathers the updated partition (Ψ); at
+        stage 3 it gathers every parameter for forward (Ψ), again for backward only those it does not keep whole
+        (Ψ - persistent, at DeepSpeed's default threshold), and reduce-scatters the gradients (Ψ)."""
+        sizes = cfg.parameter_sizes
+        if stage < 3:
+            return 3 * sum(sizes)
+        return 3 * sum(sizes) - persistent_elements(sizes, world, {})
+
+    def state_layout(self, spec: TrainSpec, sizes: tuple[int, ...], world: int) -> dict[str, dict[str, float]]:
+        """DeepSpeed's own layout (deepspeed_layout.py), for the config the case runs."""
+        return deepspeed_layout(
+            sizes=sizes,
+            world=world,
+            stage=spec.stage,
+            precision=spec.precision,
+            offload=spec.offload,
+            optimizer_bytes=optimizer_bytes_per_param(spec.optimizer, spec.momentum),
+            grad_accum=spec.grad_accum,
+            config=deepspeed_config(spec, micro_batch=1),  # the batch size moves no state
+        )
 
 
 IMPLEMENTATION = DeepSpeed()

@@ -2,15 +2,15 @@
 
 Runs where DeepSpeed is installed (the ``deepspeed`` extra, which ``.ci/run`` installs); skipped
 otherwise. One suite run (a real ``zbench run``) with gradient accumulation and clipping: every case
-must be equivalent to DDP (loss, gradient norm, the fp32 master parameters). DeepSpeed declares no
-byte layout (its gradient buffers vary by stage, precision and offload), so the model-state check
-says it did not run; its measured bytes are stored and shown. Without DeepSpeed every case is skipped
-with the install hint (tests/test_units.py).
+must be equivalent to DDP (loss, gradient norm, the fp32 master parameters), and hold the bytes its own
+layout declares (implementations/deepspeed_layout.py) to 2% per category. Without DeepSpeed every case is
+skipped with the install hint (tests/test_units.py).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -61,14 +61,54 @@ def test_equivalent_to_ddp(run, key):
     equivalence = case["equivalence"]
     assert equivalence["equivalent"], equivalence
     checks = {c["name"]: c for c in equivalence["checks"]}
-    assert checks["model_state"]["passed"] is None  # no declared layout: said, not passed
+    assert checks["model_state"]["passed"] is True, checks["model_state"]
     if key[2] == "fp32":
         assert checks["loss"]["figure"] <= 1e-6, checks["loss"]
-    measured = case["model_state"]["measured"]
-    assert (measured["optimizer_state"]["host"] > 0) == (key[3] != "none")
-    assert (measured["parameters"]["host"] > 0) == (key[3] == "optimizer+params")
+    state = case["model_state"]
+    assert state["layout"] == "deepspeed's own layout"
+    for category, expected in state["expected"].items():
+        held = sum(state["measured"][category].values())
+        # 2% of the declared bytes, and a few bytes of scalars (the gradient norm, an overflow flag) where none are
+        assert abs(held - expected) <= max(0.02 * expected, 16), (category, held, expected)
+    assert (state["measured"]["optimizer_state"]["host"] > 0) == (key[3] != "none")
+    staged = key[0] < 3 and key[3] != "none"  # stages 1-2 stage the updated partition on the host
+    assert (state["measured"]["parameters"]["host"] > 0) == (staged or key[3] == "optimizer+params")
 
 
 def test_the_run_passes(run):
     result, _ = run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+LEAKY_SUITE = """
+name: deepspeed-leak
+device: cpu
+models: tiny
+implementations:
+  - ddp
+  - {name: deepspeed, stages: [2]}
+  - {name: "tests.plugins.wrong_deepspeed:LEAKY", stages: [2]}
+world_sizes: [2]
+steps: 3
+warmup_steps: 1
+micro_batch: 2
+timeout_s: 300
+"""
+
+
+def test_a_gradient_buffer_never_freed_is_caught_by_the_bytes_alone(tmp_path):
+    """The planted leak (tests/plugins/wrong_deepspeed.py) trains exactly as DeepSpeed does: only the model-state
+    check can see it, and it must; DeepSpeed itself, in the same run, passes."""
+    (tmp_path / "s.yaml").write_text(LEAKY_SUITE)
+    zbench("run", str(tmp_path / "s.yaml"), "--results", str(tmp_path / "results"), timeout=600)
+    cases = {
+        c["config"]["implementation"]: c
+        for c in map(json.loads, map(Path.read_text, tmp_path.glob("results/*/cases/*.json")))
+    }
+    leaky, honest = cases["tests.plugins.wrong_deepspeed:LEAKY"], cases["deepspeed"]
+    checks = {c["name"]: c for c in leaky["equivalence"]["checks"]}
+    assert checks["loss"]["passed"] and checks["parameters"]["passed"]
+    assert checks["model_state"]["passed"] is False, checks["model_state"]
+    assert "gradients" in checks["model_state"]["detail"]
+    assert not leaky["equivalence"]["equivalent"]
+    assert honest["equivalence"]["equivalent"], honest["equivalence"]

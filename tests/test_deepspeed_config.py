@@ -79,18 +79,23 @@ def test_what_cannot_be_mapped_is_refused(settings, message):
 def test_a_bad_config_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "typo.json").write_text(json.dumps({"zero_optimisation": {"stage": 2}}))
     (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "unclipped.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 0}))
     shutil.copy(CONFIG, tmp_path / "ds_zero3_offload.json")
     suites = {
         "typo": SUITE.replace("ds_zero3_offload.json", "typo.json"),
         "broken": SUITE.replace("ds_zero3_offload.json", "broken.json"),
         "missing": SUITE.replace("ds_zero3_offload.json", "nowhere.json"),
         "both": SUITE + "micro_batch: 4\n",
+        "unclipped": SUITE.replace("ds_zero3_offload.json", "unclipped.json") + "grad_clip: 1.0\n",
+        "staged": SUITE.replace("deepspeed, zero3", "{name: deepspeed, stages: [2]}, zero3"),
     }
     for name, text in suites.items():
         (tmp_path / f"{name}.yaml").write_text(text)
     results = zbench_many([["run", str(tmp_path / f"{n}.yaml"), "--results", str(tmp_path / "r")] for n in suites])
     expected = ["did you mean 'zero_optimization'", "not a readable JSON file", "DeepSpeed config not found",
-                "micro_batch set by both the suite and ds_zero3_offload.json"]  # fmt: skip
+                "micro_batch set by both the suite and ds_zero3_offload.json",
+                "grad_clip set by both the suite and unclipped.json",
+                "stages (of an implementation entry) set by both the suite and ds_zero3_offload.json"]  # fmt: skip
     for r, text in zip(results, expected, strict=True):
         assert r.returncode == 2 and text in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 

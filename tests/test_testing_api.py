@@ -3,8 +3,11 @@ otherwise, and honours every training setting (a weight-decay bug needs weight d
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from zbench.errors import UsageError
 from zbench.testing import assert_equivalent_to_ddp
 
 WRONG = "tests.plugins.wrong:MANUAL"
@@ -29,3 +32,27 @@ def test_weight_decay_bug_passes_without_weight_decay_and_fails_with_it():
 def test_bad_setting_is_one_clear_error():
     with pytest.raises(Exception, match="unknown key 'weight_decya'"):
         assert_equivalent_to_ddp("torch_zero", weight_decya=0.1)
+
+
+CONFIG = Path(__file__).parent / "data" / "ds_zero3_offload.json"
+
+
+def test_a_deepspeed_config_sets_what_it_says():
+    """The documentation's stage-3 optimizer-offload config, on the reference engine: stage 3, bf16, offload,
+    micro-batch 2 and clipping 1.0 all come from the file."""
+    record = assert_equivalent_to_ddp("zero3", steps=4, deepspeed_config=CONFIG)
+    config = record.config
+    assert (config.stage, config.precision, config.offload, config.micro_batch, config.grad_clip) == (
+        3,
+        "bf16",
+        "optimizer",
+        2,
+        1.0,
+    )
+    assert "zero_optimization.overlap_comm" in config.not_applied
+
+
+@pytest.mark.parametrize("setting", [{"precision": "bf16"}, {"stage": 3}, {"lr": 0.01}])
+def test_a_setting_given_twice_is_a_conflict(setting):
+    with pytest.raises(UsageError, match=f"{next(iter(setting))} set by both the call and ds_zero3_offload.json"):
+        assert_equivalent_to_ddp("zero3", deepspeed_config=CONFIG, **setting)

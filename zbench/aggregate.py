@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import statistics
 
+import torch
+
+from zbench import registry
 from zbench.case import Case
 from zbench.formulas import placement_for
 from zbench.handoff import RankResult
@@ -17,7 +20,7 @@ from zbench.launch import Outcome
 from zbench.measure.comms import theory_elements as comm_theory
 from zbench.measure.flops import derived
 from zbench.measure.timing import summarize
-from zbench.model_source import model_info
+from zbench.model_source import model_info, parameter_sizes
 from zbench.record import (
     CaseRecord,
     CommSummary,
@@ -226,12 +229,23 @@ def time_to_target(steps: list[StepSample], target: float | None) -> TimeToTarge
     return TimeToTarget(target_loss=target, reached=False)
 
 
+def declared_layout(case: Case) -> tuple[dict[str, dict[str, float]], str]:
+    """The bytes ``case``'s implementation says it holds (its ``state_layout``) when it declares them, else the
+    ZeRO formulas' placement; and which of the two it is."""
+    declare = getattr(registry.resolve(case.implementation), "state_layout", None)
+    spec = case.train_spec(torch.device(case.device))
+    declared = declare(spec, parameter_sizes(case.model), case.world_size) if declare is not None else None
+    if declared is not None:
+        return declared, f"{case.implementation}'s own layout"
+    return placement_for(case), "ZeRO formulas"
+
+
 def model_state(case: Case, ranks: list[RankResult]) -> ModelState:
     """Measured bytes (the fullest rank) by category and location next to the formulas' placement (docs/methods.md)."""
     per_rank = [r.state_bytes for r in ranks]
     fullest = max(per_rank, key=lambda s: sum(sum(v.values()) for v in s.values()))
     measured = {c: {loc: fullest.get(c, {}).get(loc, 0) for loc in LOCATIONS} for c in CATEGORIES}
-    predicted = placement_for(case)
+    predicted, layout = declared_layout(case)
     by_location = {}
     for loc in LOCATIONS:
         m, p = sum(measured[c][loc] for c in CATEGORIES), sum(predicted[c][loc] for c in CATEGORIES)
@@ -247,4 +261,5 @@ def model_state(case: Case, ranks: list[RankResult]) -> ModelState:
         measured_total=measured_total,
         expected_total=expected_total,
         error_rel=(measured_total - expected_total) / expected_total if expected_total else None,
+        layout=layout,
     )

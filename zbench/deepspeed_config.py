@@ -186,9 +186,8 @@ def map_config(settings: Any) -> Mapped:
             if value < 1 or value != int(value):
                 raise DeepSpeedConfigError(f"{key} must be a positive integer, got {settings[key]!r}")
             suite[name] = int(value)
-    clip = _number(settings.get("gradient_clipping"), "gradient_clipping")
-    if clip:
-        suite["grad_clip"] = clip
+    if "gradient_clipping" in settings:  # 0 says "no clipping" just as firmly as a bound says clip
+        suite["grad_clip"] = _number(settings["gradient_clipping"], "gradient_clipping") or None
     if "optimizer" in settings:
         suite["optimizer"] = _optimizer(settings["optimizer"])
     dotted = [f"zero_optimization.{k}" for k in zero] + [k for k in settings if k != "zero_optimization"]

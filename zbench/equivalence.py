@@ -205,8 +205,8 @@ def model_state_check(case: CaseRecord) -> Check:
         if excess > worst_ratio:
             worst_name, worst_ratio, worst_measured, worst_expected = category, excess, measured, expected
     detail = (
-        f"{worst_name}: {worst_measured:,} B held, {worst_expected:,.0f} B expected for stage {case.config.stage} "
-        f"{case.config.precision} offload {case.config.offload}"
+        f"{worst_name}: {worst_measured:,} B held, {worst_expected:,.0f} B expected ({state.layout}) for stage "
+        f"{case.config.stage} {case.config.precision} offload {case.config.offload}"
         if worst_name
         else "every category as expected"
     )

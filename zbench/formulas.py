@@ -12,15 +12,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zbench.model_source import model_info
+from zbench.values import optimizer_bytes_per_param
 
 if TYPE_CHECKING:
     from zbench.case import Case
-
-
-def optimizer_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
-    if optimizer == "adamw":
-        return 8
-    return 4 if momentum else 0
 
 
 def expected_state_bytes(

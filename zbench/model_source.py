@@ -121,15 +121,28 @@ def model_info(name: str) -> ModelInfo:
         raise
     except Exception as exc:  # the builder's own failure, reported in one line
         raise ModelSourceError(f"model {name!r}: the builder failed ({type(exc).__name__}: {exc})") from None
-    unique = {id(p): p for p in model.parameters()}  # a shared (tied) weight counts once
     return ModelInfo(
         name,
-        sum(p.numel() for p in unique.values()),
+        sum(_distinct_sizes(model)),
         _declared_int(model, "vocab_size"),
         _declared_int(model, "max_seq_len"),
         gpt=None,
         has_blocks=isinstance(getattr(model, "blocks", None), torch.nn.ModuleList),
     )
+
+
+@cache
+def parameter_sizes(name: str) -> tuple[int, ...]:
+    """Elements of each distinct parameter, in ``parameters()`` order (a user's model measured on ``meta``): for
+    layouts that depend on single tensors (DeepSpeed keeps parameters below a size unpartitioned)."""
+    if not is_builder_path(name):
+        return PRESETS[name].parameter_sizes
+    return _distinct_sizes(build_user_model(name, seed=0, device="meta"))
+
+
+def _distinct_sizes(model: nn.Module) -> tuple[int, ...]:
+    unique = {id(p): p for p in model.parameters()}  # a shared (tied) weight counts once
+    return tuple(p.numel() for p in unique.values())
 
 
 def build(name: str, *, seed: int, device: torch.device | str = "cpu") -> nn.Module:

@@ -47,6 +47,15 @@ class GPTConfig:
         return 2 * (2 * d) + attention + mlp
 
     @property
+    def parameter_sizes(self) -> tuple[int, ...]:
+        """Elements of each distinct parameter of ``GPT(self)``, in ``parameters()`` order (a tied head is the
+        embedding: it counts once, there)."""
+        d, h = self.d_model, self.ffn_hidden
+        block = (d, d, 3 * d * d, 3 * d, d * d, d, d, d, h * d, h, d * h, d)  # ln1, qkv, proj, ln2, fc, out
+        head = () if self.tie_embeddings else (self.vocab * d,)
+        return (self.vocab * d, self.seq * d, *block * self.layers, d, d, *head)
+
+    @property
     def num_parameters(self) -> int:
         """Exact count of the parameters ``GPT(self)`` holds."""
         return (

@@ -213,9 +213,17 @@ class Implementation(Protocol):
         ranks and ``stage`` (ring algorithms, see ``zbench.measure.comms``), or ``None`` for the ZeRO formula of
         the stage."""
 
+    def state_layout(self, spec: TrainSpec, sizes: tuple[int, ...], world: int) -> dict[str, dict[str, float]] | None:
+        """Bytes per rank by category and location it holds between steps training as ``spec`` says, a model of
+        parameters of ``sizes`` elements, at ``world`` ranks, where its layout departs from the ZeRO formulas
+        (``zbench.formulas.placement``); or ``None`` for the formulas. Optional: without it, the formulas."""
+
 
 class ImplementationBase:
     """Default for an implementation's optional member: its traffic is what the ZeRO formulas say."""
 
     def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int | None:
+        return None
+
+    def state_layout(self, spec: TrainSpec, sizes: tuple[int, ...], world: int) -> dict[str, dict[str, float]] | None:
         return None

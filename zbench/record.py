@@ -102,6 +102,8 @@ class ModelState(_Part):
     measured_total: int
     expected_total: float
     error_rel: float | None = None
+    layout: str = "ZeRO formulas"
+    """Where ``predicted`` comes from: the ZeRO formulas, or the implementation's own declared layout."""
 
 
 class OpVolume(_Part):

@@ -52,6 +52,8 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None], *, compute_device: torc
         if t is None:
             continue
         t = _local(t)
+        if t.is_meta:  # a shape without memory (DeepSpeed keeps such stand-ins of its parameters)
+            continue
         storage = t.untyped_storage()
         key = storage_key(t)
         if key in seen or storage.nbytes() == 0:

@@ -96,6 +96,9 @@ def _with_deepspeed_config(data: dict[str, Any], base: Path, source: str) -> dic
     except DeepSpeedConfigError as exc:
         raise UsageError(f"{source}: deepspeed_config: {exc}") from None
     both = [k for k in DEEPSPEED_SETS if k in data and k in mapped.suite]
+    entries = data.get("implementations")
+    if isinstance(entries, list) and any(isinstance(e, dict) and "stages" in e for e in entries):
+        both.append("stages (of an implementation entry)")
     if both:
         raise UsageError(f"{source}: {', '.join(both)} set by both the suite and {named}; keep one")
     out = {k: v for k, v in data.items() if k != "deepspeed_config"}

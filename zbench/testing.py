@@ -19,9 +19,39 @@ from typing import Any
 from zbench import preflight
 from zbench import suite as suite_mod
 from zbench.console import Progress
+from zbench.errors import UsageError
 from zbench.record import CaseRecord
 from zbench.runner import run_suite
 from zbench.values import Offload, OptimizerName, Precision
+
+#: Which arguments of ``assert_equivalent_to_ddp`` a DeepSpeed config's suite keys stand for.
+_ARGUMENTS = {
+    "precisions": ("precision",),
+    "offload": ("offload",),
+    "micro_batch": ("micro_batch",),
+    "grad_accum": ("grad_accum",),
+    "grad_clip": ("grad_clip",),
+    "optimizer": ("optimizer", "lr", "weight_decay", "momentum"),
+}
+
+
+def _left_to_deepspeed(settings: dict[str, Any], path: Path, *, given: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` without those the DeepSpeed config at ``path`` sets; an argument it sets that was also given
+    (a value other than the default) or a ``stage`` is a conflict, as in a suite file."""
+    import inspect
+
+    from zbench.deepspeed_config import DeepSpeedConfigError, read
+
+    try:
+        mapped = read(path)
+    except DeepSpeedConfigError as exc:
+        raise UsageError(f"deepspeed_config: {exc}") from None
+    defaults = {n: p.default for n, p in inspect.signature(assert_equivalent_to_ddp).parameters.items()}
+    names = [a for key in mapped.suite if key in _ARGUMENTS for a in _ARGUMENTS[key]]
+    both = [a for a in ["stage", *names] if given[a] != defaults[a]]
+    if both:
+        raise UsageError(f"{', '.join(both)} set by both the call and {path.name}; keep one")
+    return {k: v for k, v in settings.items() if k not in mapped.suite}
 
 
 def assert_equivalent_to_ddp(
@@ -45,6 +75,7 @@ def assert_equivalent_to_ddp(
     options: dict[str, Any] | None = None,
     timeout_s: float = 300,
     results: str | Path | None = None,
+    deepspeed_config: str | Path | None = None,
     **suite_keys: Any,
 ) -> CaseRecord:
     """Train ``implementation`` and DDP on the same model, data and seed; fail unless they agree.
@@ -53,10 +84,28 @@ def assert_equivalent_to_ddp(
     (``seq_len``, ``noise_twin``, ...) through ``suite_keys``, validated like a suite file. Returns the
     implementation's case record (step times, memory, every equivalence check's figure and bound).
     ``results`` keeps the result files; by default they go to a temporary directory.
+
+    ``deepspeed_config`` names a DeepSpeed JSON config to train, as a suite's ``deepspeed_config`` does: it sets
+    the stage and what else it says (precision, offload, batch, accumulation, clipping, optimizer), which then
+    may not be given here too.
     """
     entry: dict[str, Any] = {"name": implementation, "options": options or {}}
     if stage is not None:
         entry["stages"] = [stage]
+    settings: dict[str, Any] = {
+        "precisions": [precision],
+        "offload": [offload],
+        "micro_batch": micro_batch,
+        "grad_accum": grad_accum,
+        "grad_clip": grad_clip,
+        "optimizer": {"name": optimizer, "lr": lr, "weight_decay": weight_decay, "momentum": momentum},
+    }
+    if deepspeed_config is not None:
+        given: dict[str, Any] = dict(stage=stage, precision=precision, offload=offload, micro_batch=micro_batch)
+        given |= dict(grad_accum=grad_accum, grad_clip=grad_clip, optimizer=optimizer, lr=lr)
+        given |= dict(weight_decay=weight_decay, momentum=momentum)
+        settings = _left_to_deepspeed(settings, Path(deepspeed_config), given=given)
+        suite_keys["deepspeed_config"] = str(Path(deepspeed_config).resolve())
     config = suite_mod.from_dict(
         {
             "name": "zbench.testing",
@@ -64,14 +113,9 @@ def assert_equivalent_to_ddp(
             "models": [model],
             "world_sizes": [world_size],
             "implementations": ["ddp", entry],
-            "precisions": [precision],
-            "offload": [offload],
+            **settings,
             "steps": steps,
             "warmup_steps": min(3, steps - 1),
-            "micro_batch": micro_batch,
-            "grad_accum": grad_accum,
-            "grad_clip": grad_clip,
-            "optimizer": {"name": optimizer, "lr": lr, "weight_decay": weight_decay, "momentum": momentum},
             "seed": seed,
             "timeout_s": timeout_s,
             **suite_keys,

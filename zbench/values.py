@@ -27,6 +27,14 @@ FAILED_STATUSES: tuple[Status, ...] = ("error", "oom", "timeout")
 OptimizerName = Literal["adamw", "sgd"]
 OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
 
+
+def optimizer_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
+    """Optimizer state per parameter, fp32: AdamW's two moments 8, SGD's momentum buffer 4, plain SGD none."""
+    if optimizer == "adamw":
+        return 8
+    return 4 if momentum else 0
+
+
 DeviceKind = Literal["cpu", "cuda"]
 DEVICE_KINDS: tuple[DeviceKind, ...] = get_args(DeviceKind)
 
