@@ -7,8 +7,8 @@ parameter count and largest layer, built on the meta device) are compared with
 ``zbench.formulas.placement``. They are not equal, and the test pins down exactly why, so that a
 change on either side shows up (docs/methods.md#deepspeeds-estimators):
 
-- GPU: DeepSpeed adds a fp32 gradient partition (4Ψ/N) at stage 2, which DeepSpeed really holds
-  (measured: 269,824 bytes of fp32 gradients for tiny at N=2, tests/test_deepspeed.py), counts 18Ψ/N
+- GPU: DeepSpeed adds a fp32 gradient partition (4Ψ/N) at stage 2, which DeepSpeed creates for the
+  optimizer step and frees after it (its peak, not what it holds between steps), counts 18Ψ/N
   at stage 3 where the formulas count 16Ψ/N, and adds the largest layer in fp32 (4·L) at stage 3, a
   working-set allowance the formulas report separately;
 - host, per node: with offload DeepSpeed's figure is the formulas' times its ``additional_buffer_factor``

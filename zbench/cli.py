@@ -17,6 +17,7 @@ from zbench.errors import UsageError
 from zbench.values import OFFLOAD_MODES, Precision
 
 if TYPE_CHECKING:
+    from zbench.case import Case
     from zbench.regress import CheckResult
     from zbench.simulate.cluster import Cluster
 
@@ -100,23 +101,56 @@ def run(
             "(params/<case>.pt); by default they are deleted once the verdict is stored.",
         ),
     ] = False,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            metavar="KEY=VALUE",
+            help="Set a suite key as if the file said it; VALUE is YAML, a dotted KEY reaches into a mapping "
+            "(--set world_sizes=[2] --set optimizer.lr=0.01). Repeatable.",
+        ),
+    ] = None,
+    patterns: Annotated[
+        list[str] | None,
+        typer.Option(
+            "-k",
+            "--select",
+            metavar="PATTERN",
+            help="Run only the cases whose id contains PATTERN (or matches it, with * ? [ as a glob), with the DDP "
+            "references they are judged against. Repeatable: a case named by any runs.",
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="List the cases that would run, each skip reason, and whether each case's predicted memory fits "
+            "this machine (zbench plan's check); run nothing.",
+        ),
+    ] = False,
 ) -> None:
     """Run every case of a suite, check each against DDP, store results and render the report.
 
     Exit code 1 when a case failed (error, oom, timeout) or did not train like DDP.
     """
-    from zbench import preflight
+    import dataclasses
+
+    from zbench import preflight, selection
     from zbench import suite as suite_mod
     from zbench.console import Progress, stderr_console
     from zbench.report import render
     from zbench.runner import run_suite
 
-    suite_file_ = suite_mod.read(suite_file)
+    suite_file_ = suite_mod.read(suite_file, _key_values("--set", overrides or []))
     if keep_params:
         suite_file_ = suite_mod.SuiteFile(
             suite_file_.path, suite_file_.sha256, suite_file_.config.model_copy(update={"keep_params": True})
         )
     suite = preflight.prepare(suite_file_)
+    suite = dataclasses.replace(suite, cases=selection.select(suite.cases, patterns or []))
+    if dry_run:
+        _print_dry_run(suite.cases)
+        return
     root = _results(None, results)
     result = run_suite(suite, results_root=root, resume=resume, progress=Progress())
     page = render(result.run, report, results_root=root)
@@ -131,6 +165,25 @@ def run(
             )
         )
         raise typer.Exit(1)
+
+
+def _print_dry_run(cases: tuple[Case, ...]) -> None:
+    from zbench.dry_run import RESERVE, describe
+    from zbench.formatting import fmt_bytes
+
+    rows = describe(cases)
+    table = Table(title=f"{len(rows)} cases (memory per rank after {RESERVE:.0%} kept free; nothing was run)")
+    for col in ("case", "would", "model states + working set", "memory per rank", "fits?"):
+        table.add_column(col, justify="left" if col in ("case", "would") else "right")
+    for r in rows:
+        would = f"skip: {r.case.skip_reason}" if r.case.skip_reason else "run"
+        fits = {True: "yes", False: "NO", None: "-"}[r.fits]
+        table.add_row(r.case.case_id, would, fmt_bytes(r.device_bytes), fmt_bytes(r.capacity_bytes), fits)
+    _stdout().print(table)
+    running = [r for r in rows if not r.case.skip_reason]
+    too_big = [r.case.case_id for r in running if r.fits is False]
+    summary = f"{len(running)} would run, {len(rows) - len(running)} skipped"
+    _stdout().print(summary + (f"; {len(too_big)} predicted not to fit: {', '.join(too_big)}" if too_big else ""))
 
 
 @app.command()

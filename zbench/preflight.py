@@ -58,6 +58,19 @@ def resolve_device(requested: str) -> DeviceKind:
     return "cuda" if requested == "cuda" else "cpu"
 
 
+def local_ranks(device: str) -> int:
+    """What ``world_sizes: [auto]`` means here: every local GPU, or 2 ranks on CPU."""
+    import torch
+
+    return torch.cuda.device_count() if device == "cuda" else 2
+
+
+def resolved_world_sizes(config: SuiteConfig, device: str) -> list[int]:
+    """The suite's world sizes with ``auto`` made a number, each once, in order."""
+    sizes = [local_ranks(device) if w == "auto" else w for w in config.world_sizes]
+    return list(dict.fromkeys(sizes))
+
+
 def check_world_sizes(device: str, world_sizes: list[int], source: str) -> None:
     import torch
 
@@ -202,9 +215,10 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
 def prepare(suite: SuiteFile) -> Suite:
     """Check the machine against the suite and expand it; every problem is one ``UsageError`` naming the suite."""
     source = suite.path or "suite"
-    config = suite.config
-    device = resolve_device(config.device)
-    check_world_sizes(device, config.world_sizes, source)
+    device = resolve_device(suite.config.device)
+    world_sizes = resolved_world_sizes(suite.config, device)
+    config = suite.config.model_copy(update={"world_sizes": world_sizes})
+    check_world_sizes(device, world_sizes, source)
     implementations = resolve_implementations([e.name for e in entries_with_reference(config)], source)
     check_models(config, source)
     cases = tuple(expand(config, device=device, implementations=implementations))

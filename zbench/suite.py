@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -123,7 +124,10 @@ class SuiteConfig(_Frozen):
     implementations: Annotated[list[ImplementationEntry], BeforeValidator(_implementation_entries)] = Field(
         min_length=1
     )
-    world_sizes: Annotated[list[Annotated[int, Field(ge=1)]], BeforeValidator(_as_list)] = Field(min_length=1)
+    world_sizes: Annotated[list[Annotated[int, Field(ge=1)] | Literal["auto"]], BeforeValidator(_as_list)] = Field(
+        min_length=1
+    )
+    """Ranks per case; ``auto`` is every local GPU, or 2 ranks on CPU (resolved when the suite is prepared)."""
     precisions: Annotated[list[Precision], BeforeValidator(_as_list)] = ["fp32"]
     offload: Annotated[list[Offload], BeforeValidator(_as_list)] = ["none"]
     activation_checkpointing: Annotated[list[bool], BeforeValidator(_as_list)] = [False]
@@ -227,8 +231,30 @@ def from_dict(data: Any, *, source: str = "suite", base: Path | None = None) -> 
         raise UsageError(f"{source}: {exc}") from None
 
 
-def read(path: str | Path) -> SuiteFile:
-    """Read and validate a suite file; every problem is a ``UsageError`` naming the file."""
+def with_overrides(data: dict[str, Any], overrides: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``data`` (a suite file's mapping) with each dotted key of ``overrides`` set to its value: ``zbench run
+    --set KEY=VALUE``, exactly as if the file said it (``--set world_sizes=[2]``, ``--set optimizer.lr=0.01``
+    for a key inside a mapping)."""
+    out = dict(data)
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = out
+        for depth, key in enumerate(parents):
+            child = node.get(key)
+            if child is None:
+                child = {}
+            elif not isinstance(child, dict):
+                where = ".".join(parents[: depth + 1])
+                raise UsageError(f"{source}: --set {dotted}: {where} is not a mapping (it is {child!r})")
+            node[key] = child = dict(child)
+            node = child
+        node[leaf] = value
+    return out
+
+
+def read(path: str | Path, overrides: Mapping[str, Any] | None = None) -> SuiteFile:
+    """Read and validate a suite file, with ``--set`` ``overrides`` (dotted keys, ``zbench.selection``) applied
+    first; every problem is a ``UsageError`` naming the file."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -245,8 +271,12 @@ def read(path: str | Path) -> SuiteFile:
         raise UsageError(f"{path}:{where}: malformed YAML: {problem}") from None
     if isinstance(data, dict):
         data.setdefault("name", path.stem)
+        if overrides:
+            data = with_overrides(data, overrides, str(path))
     config = from_dict(data, source=str(path), base=path.parent)
     digest = hashlib.sha256(raw)
+    if overrides:  # a run with overrides trains something else than the file alone
+        digest.update(json.dumps(dict(overrides), sort_keys=True, default=str).encode())
     if config.deepspeed_config is not None:  # the config file is part of what the suite trains
         digest.update(json.dumps(config.deepspeed_config.settings, sort_keys=True).encode())
     return SuiteFile(path=str(path), sha256=digest.hexdigest(), config=config)

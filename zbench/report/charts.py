@@ -66,7 +66,11 @@ def model_state_chart(records: list[CaseRecord]) -> str:
     fig = go.Figure(
         [
             go.Bar(x=ids, y=[m.measured_total / 2**20 for _, m in states if m], name="measured"),
-            go.Bar(x=ids, y=[m.expected_total / 2**20 for _, m in states if m], name="ZeRO formula"),
+            go.Bar(
+                x=ids,
+                y=[m.expected_total / 2**20 for _, m in states if m],
+                name="expected (the ZeRO formula, or the implementation's declared layout)",
+            ),
         ]
     )
     fig.update_layout(
