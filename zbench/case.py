@@ -54,6 +54,8 @@ class Case(BaseModel):
     nvme_dir: str | None = None
     """The suite's NVMe directory (each case swaps into its own sub-directory of it, see ``zbench.nvme``)."""
     target_loss: float | None = None
+    price_per_gpu_hour: float | None = None
+    """Cost of one rank for an hour (the suite's ``price_per_gpu_hour``), for the cost columns."""
     keep_params: bool = False
     """Keep the final-parameter file after the equivalence verdict is stored."""
     noise_twin: bool = False

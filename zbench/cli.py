@@ -748,11 +748,20 @@ def report_cmd(
             "bandwidth); stored as <run>/simulation.json and shown in the report beside the measured times.",
         ),
     ] = False,
+    price_per_gpu_hour: Annotated[
+        float | None,
+        typer.Option(
+            help="Show each case's cost per step and per million tokens at this price of one GPU (one rank) per "
+            "hour, instead of the suite's price_per_gpu_hour.",
+        ),
+    ] = None,
 ) -> None:
     """Re-render the HTML report from stored results: the newest run under RESULTS, with trends over earlier runs."""
     from zbench.report import render
     from zbench.store import latest_run
 
+    if price_per_gpu_hour is not None and not price_per_gpu_hour > 0:
+        raise UsageError(f"--price-per-gpu-hour must be positive, got {price_per_gpu_hour:g}")
     root = _results(results_arg, results)
     run = latest_run(root)
     if run is None:
@@ -765,7 +774,7 @@ def report_cmd(
         worst = f"{sim.worst_abs_error:.0%}" if sim.worst_abs_error is not None else "-"
         median = f"{sim.median_abs_error:.0%}" if sim.median_abs_error is not None else "-"
         err.print(Text(f"simulated {len(sim.predictions)} cases: |error| median {median}, worst {worst}"))
-    page = render(run, report, results_root=root)
+    page = render(run, report, results_root=root, price_per_gpu_hour=price_per_gpu_hour)
     err.print(Text(f"report: {page} (run {run.run_id})"))
 
 

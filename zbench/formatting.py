@@ -25,6 +25,11 @@ def fmt_ratio(r: float | None) -> str:
     return "-" if r is None else f"{r:.2f}x"
 
 
+def fmt_money(amount: float | None) -> str:
+    """A cost in the price's own currency (none is assumed): 4 significant figures, small amounts included."""
+    return "-" if amount is None else f"{amount:.4g}"
+
+
 def fmt_rate(r: float | None) -> str:
     return "-" if not r else f"{r:.0f}"
 

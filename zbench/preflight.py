@@ -190,6 +190,7 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
                 not_applied=not_applied,
                 nvme_dir=config.nvme_dir,
                 target_loss=config.target_loss,
+                price_per_gpu_hour=config.price_per_gpu_hour,
                 keep_params=config.keep_params,
                 paired_rounds=config.paired_rounds,
                 paired_seconds=config.paired_seconds,

@@ -269,6 +269,9 @@ class SummaryRow(BaseModel):
     failed_checks: list[str]
     """The equivalence checks that failed (``loss``, ``grad_norm``, ``parameters``, ``ranks``, ``model_state``)."""
     error: str | None
+    cost_per_step: float | None = None
+    """At the suite's ``price_per_gpu_hour``: every rank of the case for one median step."""
+    cost_per_million_tokens: float | None = None
 
 
 class CaseRecord(_Part):
@@ -370,7 +373,20 @@ class CaseRecord(_Part):
             equivalent=self.equivalent,
             failed_checks=[] if eq is None else eq.failed_checks,
             error=self.error or self.skip_reason,
+            cost_per_step=self.cost_per_step(),
+            cost_per_million_tokens=self.cost_per_million_tokens(),
         )
+
+    def cost_per_step(self, price_per_gpu_hour: float | None = None) -> float | None:
+        """Every rank of the case for one median step, at ``price_per_gpu_hour`` (default: the suite's)."""
+        price = price_per_gpu_hour or self.config.price_per_gpu_hour
+        median = self.step_time_median_s
+        return None if price is None or median is None else price * self.config.world_size * median / 3600
+
+    def cost_per_million_tokens(self, price_per_gpu_hour: float | None = None) -> float | None:
+        per_step = self.cost_per_step(price_per_gpu_hour)
+        tokens = self.config.tokens_per_step
+        return None if per_step is None or not tokens else per_step / tokens * 1e6
 
     def to_json_dict(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")

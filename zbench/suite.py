@@ -145,6 +145,9 @@ class SuiteConfig(_Frozen):
     nvme_dir: str | None = None
     target_loss: float | None = Field(None, gt=0)
     """Record the steps and time each case needs to reach this loss (time to target)."""
+    price_per_gpu_hour: float | None = Field(None, gt=0)
+    """What one GPU (one rank, on CPU) costs per hour, in any currency: each case then shows its cost per step
+    and per million tokens."""
     regression: RegressionConfig = RegressionConfig()
     keep_params: bool = False
     """Keep each case's final-parameter file after its equivalence verdict is stored (default: deleted)."""

@@ -9,7 +9,7 @@ from markupsafe import Markup
 
 from zbench.atomic import atomic_write_bytes
 from zbench.equivalence import BOUNDS
-from zbench.formatting import fmt_bytes, fmt_ratio, fmt_seconds, status_text
+from zbench.formatting import fmt_bytes, fmt_money, fmt_ratio, fmt_seconds, status_text
 from zbench.history import case_history, runs_like
 from zbench.report import charts
 from zbench.simulate.run_file import load_simulation
@@ -21,7 +21,7 @@ _ENV = jinja2.Environment(
     autoescape=jinja2.select_autoescape(default=True, default_for_string=True),
     undefined=jinja2.StrictUndefined,
 )
-_ENV.filters.update(bytes=fmt_bytes, seconds=fmt_seconds, ratio=fmt_ratio, status=status_text)
+_ENV.filters.update(bytes=fmt_bytes, seconds=fmt_seconds, ratio=fmt_ratio, status=status_text, money=fmt_money)
 
 
 def _plotly_js() -> Markup:
@@ -30,8 +30,11 @@ def _plotly_js() -> Markup:
     return Markup(get_plotlyjs())
 
 
-def render(run: RunDir, report_dir: Path, *, results_root: Path | None = None) -> Path:
-    """Write ``report_dir/index.html`` for ``run`` (with trends when ``results_root`` holds earlier runs)."""
+def render(
+    run: RunDir, report_dir: Path, *, results_root: Path | None = None, price_per_gpu_hour: float | None = None
+) -> Path:
+    """Write ``report_dir/index.html`` for ``run`` (with trends when ``results_root`` holds earlier runs); costs at
+    ``price_per_gpu_hour`` when given, else at the suite's price when it names one."""
     records = run.cases()
     runs = runs_like(results_root, run) if results_root is not None else [run]
     series = case_history(runs) if len(runs) > 1 else {}
@@ -55,6 +58,8 @@ def render(run: RunDir, report_dir: Path, *, results_root: Path | None = None) -
         regressions=[(case_id, p) for case_id, points in series.items() for p in points if p.regressed],
         simulation=load_simulation(run),
         plotly_js=_plotly_js() if has_ok or series else "",
+        price=price_per_gpu_hour,
+        show_cost=price_per_gpu_hour is not None or any(r.config.price_per_gpu_hour for r in records),
     )
     out = Path(report_dir) / "index.html"
     atomic_write_bytes(out, page.encode())

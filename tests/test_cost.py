@@ -1,0 +1,58 @@
+"""Cost per step and per million tokens at a price per GPU-hour: the arithmetic, and the report's column."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import make_case, zbench
+from zbench.record import CaseRecord, Equivalence, MemorySummary, ModelState, StepSample, StepTimeSummary
+from zbench.run_info import Environment, RunInfo, SuiteInfo
+from zbench.store import RunDir
+from zbench.values import CATEGORIES, LOCATIONS
+
+#: 2 ranks x 4 sequences x 32 tokens = 256 tokens a step, 0.1 s a step.
+CASE = make_case(world_size=2, micro_batch=4, seq_len=32, grad_accum=1)
+
+
+def record(**case: object) -> CaseRecord:
+    return CaseRecord(
+        config=CASE.model_copy(update=case),
+        status="ok",
+        steps=[StepSample(step=i, loss=1.0, step_time_s=0.1, warmup=False) for i in range(5)],
+        summary=StepTimeSummary(step_time_median_s=0.1, tokens_per_s=2560.0, tokens_per_s_per_rank=1280.0),
+        memory=MemorySummary(kind="rss", peak_bytes=2**30),
+        model_state=ModelState(
+            measured={c: dict.fromkeys(LOCATIONS, 0) for c in CATEGORIES}, measured_total=2**20, expected_total=2**20
+        ),
+        equivalence=Equivalence(equivalent=True),
+    )
+
+
+def test_every_rank_is_paid_for_the_median_step():
+    priced = record(price_per_gpu_hour=3.6)
+    assert priced.cost_per_step() == pytest.approx(0.0002)  # 3.6 x 2 ranks x 0.1 s / 3600 s
+    assert priced.cost_per_million_tokens() == pytest.approx(0.78125)  # 0.0002 / 256 tokens x 1e6
+    assert priced.cost_per_step(7.2) == pytest.approx(2 * priced.cost_per_step())  # a price given later wins
+    row = priced.summary_row()
+    assert (row.cost_per_step, row.cost_per_million_tokens) == (
+        priced.cost_per_step(),
+        priced.cost_per_million_tokens(),
+    )
+    assert record().cost_per_step() is None and record().summary_row().cost_per_million_tokens is None
+
+
+def test_the_report_shows_cost_only_with_a_price(tmp_path):
+    run = RunDir(tmp_path / "results", "r1")
+    run.start(
+        RunInfo(run_id="r1", suite=SuiteInfo(name="s", sha256="0" * 64), environment=Environment(host="h", cpu_count=2))
+    )
+    run.write_case(record())
+    plain = zbench("report", str(tmp_path / "results"), "--report", str(tmp_path / "plain"))
+    priced = zbench(
+        "report", str(tmp_path / "results"), "--report", str(tmp_path / "priced"), "--price-per-gpu-hour", "3.6"
+    )
+    assert plain.returncode == 0 and priced.returncode == 0, plain.stderr + priced.stderr
+    assert "per million tokens" not in (tmp_path / "plain" / "index.html").read_text()
+    assert "<td>0.0002 / 0.7813</td>" in (tmp_path / "priced" / "index.html").read_text()
+    bad = zbench("report", str(tmp_path / "results"), "--price-per-gpu-hour", "-1")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
