@@ -241,7 +241,8 @@ def declared_layout(case: Case) -> tuple[dict[str, dict[str, float]], str]:
 
 
 def model_state(case: Case, ranks: list[RankResult]) -> ModelState:
-    """Measured bytes (the fullest rank) by category and location next to the formulas' placement (docs/methods.md)."""
+    """Measured bytes (the fullest rank) by category and location next to the expected placement: the layout its
+    implementation declares, else the ZeRO formulas' (docs/methods.md)."""
     per_rank = [r.state_bytes for r in ranks]
     fullest = max(per_rank, key=lambda s: sum(sum(v.values()) for v in s.values()))
     measured = {c: {loc: fullest.get(c, {}).get(loc, 0) for loc in LOCATIONS} for c in CATEGORIES}
