@@ -1,4 +1,9 @@
-"""Render a run's results into one self-contained HTML page (jinja2, autoescaped, no network)."""
+"""Render a run's results into a self-contained report directory (jinja2, autoescaped, no network).
+
+The page loads its charting library from a file beside it (``plotly-<version>.min.js``, 4.6 MB, written once
+per directory and version) rather than inlining it: re-rendered reports stay small, and the directory is
+still all a browser needs offline from ``file://``.
+"""
 
 from __future__ import annotations
 
@@ -24,10 +29,15 @@ _ENV = jinja2.Environment(
 _ENV.filters.update(bytes=fmt_bytes, seconds=fmt_seconds, ratio=fmt_ratio, status=status_text, money=fmt_money)
 
 
-def _plotly_js() -> Markup:
+def _shipped_plotly(report_dir: Path) -> str:
+    """The charting library's file name in ``report_dir``, written there unless this version already is."""
+    import plotly
     from plotly.offline import get_plotlyjs
 
-    return Markup(get_plotlyjs())
+    name = f"plotly-{plotly.__version__}.min.js"
+    if not (Path(report_dir) / name).is_file():
+        atomic_write_bytes(Path(report_dir) / name, get_plotlyjs().encode())
+    return name
 
 
 def render(
@@ -57,7 +67,7 @@ def render(
         history_runs=len(runs),
         regressions=[(case_id, p) for case_id, points in series.items() for p in points if p.regressed],
         simulation=load_simulation(run),
-        plotly_js=_plotly_js() if has_ok or series else "",
+        plotly_js=_shipped_plotly(report_dir) if has_ok or series else "",
         price=price_per_gpu_hour,
         show_cost=price_per_gpu_hour is not None or any(r.config.price_per_gpu_hour for r in records),
     )

@@ -1,6 +1,9 @@
-"""Cost per step and per million tokens at a price per GPU-hour: the arithmetic, and the report's column."""
+"""The report page from a stored run: cost per step and per million tokens at a price per GPU-hour (the arithmetic
+and the column), and the charting library shipped once beside the page instead of inlined into it."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -41,12 +44,16 @@ def test_every_rank_is_paid_for_the_median_step():
     assert record().cost_per_step() is None and record().summary_row().cost_per_million_tokens is None
 
 
-def test_the_report_shows_cost_only_with_a_price(tmp_path):
-    run = RunDir(tmp_path / "results", "r1")
+def stored_run(root: Path) -> None:
+    run = RunDir(root, "r1")
     run.start(
         RunInfo(run_id="r1", suite=SuiteInfo(name="s", sha256="0" * 64), environment=Environment(host="h", cpu_count=2))
     )
     run.write_case(record())
+
+
+def test_the_report_shows_cost_only_with_a_price(tmp_path):
+    stored_run(tmp_path / "results")
     plain = zbench("report", str(tmp_path / "results"), "--report", str(tmp_path / "plain"))
     priced = zbench(
         "report", str(tmp_path / "results"), "--report", str(tmp_path / "priced"), "--price-per-gpu-hour", "3.6"
@@ -56,3 +63,16 @@ def test_the_report_shows_cost_only_with_a_price(tmp_path):
     assert "<td>0.0002 / 0.7813</td>" in (tmp_path / "priced" / "index.html").read_text()
     bad = zbench("report", str(tmp_path / "results"), "--price-per-gpu-hour", "-1")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_the_chart_library_is_a_file_beside_the_page_written_once(tmp_path):
+    stored_run(tmp_path / "results")
+    first = zbench("report", str(tmp_path / "results"), "--report", str(tmp_path / "rep"))
+    assert first.returncode == 0, first.stderr
+    (library,) = (tmp_path / "rep").glob("plotly-*.min.js")
+    page = (tmp_path / "rep" / "index.html").read_text()
+    assert f'<script src="{library.name}"></script>' in page and "Plotly.newPlot" in page
+    assert len(page) < 200_000 < library.stat().st_size  # the page holds the charts, not the 4.6 MB library
+    written = library.stat().st_mtime_ns
+    again = zbench("report", str(tmp_path / "results"), "--report", str(tmp_path / "rep"))
+    assert again.returncode == 0 and library.stat().st_mtime_ns == written  # this version is there already
