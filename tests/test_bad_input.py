@@ -58,6 +58,12 @@ CASES = [
     ("stage-out-of-range", GOOD.replace("[ddp]", "[{name: ddp, stages: [4]}]"), [], "stages.0"),
     ("stage-zero", GOOD.replace("[ddp]", "[{name: ddp, stages: [0]}]"), [], "greater than or equal to 1"),
     ("world-size-zero", GOOD.replace("[2]", "[0]"), [], "world_sizes.0"),
+    (
+        "world-size-word",
+        GOOD.replace("[2]", "[two]"),
+        [],
+        "world_sizes.0: a world size is a positive number of ranks, or auto",
+    ),
     ("steps-zero", GOOD + "steps: 0\n", [], "steps"),
     ("bad-precision", GOOD + "precisions: [fp8]\n", [], "'fp32', 'bf16' or 'fp16'"),
     ("bad-device", GOOD.replace("device: cpu", "device: tpu"), [], "'auto', 'cpu' or 'cuda'"),

@@ -18,7 +18,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from zbench.errors import UsageError
 from zbench.presets import PRESETS
@@ -28,6 +37,16 @@ from zbench.values import Offload, OptimizerName, Precision
 def _as_list(value: Any) -> Any:
     """Let a single value stand for a one-element axis: ``precisions: fp32``."""
     return value if isinstance(value, list) else [value]
+
+
+def _world_size(value: Any) -> int | str:
+    """A positive number of ranks, or ``auto`` (every local GPU, or 2 ranks on CPU)."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError("a world size is a positive number of ranks, or auto")
+
+
+WorldSize = Annotated[int | Literal["auto"], PlainValidator(_world_size)]
 
 
 def _implementation_entries(value: Any) -> Any:
@@ -124,9 +143,7 @@ class SuiteConfig(_Frozen):
     implementations: Annotated[list[ImplementationEntry], BeforeValidator(_implementation_entries)] = Field(
         min_length=1
     )
-    world_sizes: Annotated[list[Annotated[int, Field(ge=1)] | Literal["auto"]], BeforeValidator(_as_list)] = Field(
-        min_length=1
-    )
+    world_sizes: Annotated[list[WorldSize], BeforeValidator(_as_list)] = Field(min_length=1)
     """Ranks per case; ``auto`` is every local GPU, or 2 ranks on CPU (resolved when the suite is prepared)."""
     precisions: Annotated[list[Precision], BeforeValidator(_as_list)] = ["fp32"]
     offload: Annotated[list[Offload], BeforeValidator(_as_list)] = ["none"]
