@@ -18,7 +18,10 @@ from zbench.values import OFFLOAD_MODES, Precision
 
 if TYPE_CHECKING:
     from zbench.case import Case
+    from zbench.elastic import Rendezvous
+    from zbench.preflight import Suite
     from zbench.regress import CheckResult
+    from zbench.runner import RunResult
     from zbench.simulate.cluster import Cluster
 
 app = typer.Typer(
@@ -128,6 +131,45 @@ def run(
             "this machine (zbench plan's check); run nothing.",
         ),
     ] = False,
+    nnodes: Annotated[
+        int,
+        typer.Option(
+            "--nnodes",
+            min=1,
+            help="Nodes the run spans (torchrun's --nnodes). Start this same command on every node, each with its "
+            "own --node-rank; a case's world size is split evenly over the nodes.",
+        ),
+    ] = 1,
+    node_rank: Annotated[
+        int,
+        typer.Option(
+            "--node-rank",
+            min=0,
+            help="This node's rank. Node 0 leads: it hosts the rendezvous, stores every result and writes the "
+            "report; the other nodes only run their ranks of each case and keep nothing.",
+        ),
+    ] = 0,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--rdzv-endpoint",
+            metavar="HOST:PORT",
+            help="Where the nodes meet: node 0's address and a free port (c10d rendezvous). Needed with --nnodes > 1.",
+        ),
+    ] = None,
+    rdzv_timeout: Annotated[
+        float,
+        typer.Option("--rdzv-timeout", min=1, help="Seconds to wait for every node to join before giving up."),
+    ] = 600.0,
+    launcher: Annotated[
+        Literal["elastic", "slurm"],
+        typer.Option(
+            "--launcher",
+            help="elastic: torch's elastic agent starts each case's ranks (with --nnodes, on every node). slurm: "
+            "one srun step per case across the sbatch allocation's nodes; run zbench once, on the first node, "
+            "with --results on a filesystem every node sees (docs/multi-node.md).",
+        ),
+    ] = "elastic",
 ) -> None:
     """Run every case of a suite, check each against DDP, store results and render the report.
 
@@ -135,9 +177,10 @@ def run(
     """
     import dataclasses
 
-    from zbench import preflight, selection
+    from zbench import elastic, preflight, selection
     from zbench import suite as suite_mod
     from zbench.console import Progress, stderr_console
+    from zbench.launch import Launcher
     from zbench.report import render
     from zbench.runner import run_suite
 
@@ -146,13 +189,25 @@ def run(
         suite_file_ = suite_mod.SuiteFile(
             suite_file_.path, suite_file_.sha256, suite_file_.config.model_copy(update={"keep_params": True})
         )
-    suite = preflight.prepare(suite_file_)
+    rdzv = elastic.rendezvous(nnodes, node_rank, rdzv_endpoint, rdzv_timeout)
+    if launcher == "slurm" and rdzv.nnodes > 1:
+        raise UsageError(
+            "--launcher slurm takes its nodes from the allocation: drop --nnodes/--node-rank/--rdzv-endpoint"
+        )
+    how = Launcher(kind=launcher)
+    suite = preflight.prepare(suite_file_, nnodes=how.nnodes if launcher == "slurm" else rdzv.nnodes)
     suite = dataclasses.replace(suite, cases=selection.select(suite.cases, patterns or []))
     if dry_run:
         _print_dry_run(suite.cases)
         return
     root = _results(None, results)
-    result = run_suite(suite, results_root=root, resume=resume, progress=Progress())
+    result = (
+        run_suite(suite, results_root=root, resume=resume, progress=Progress(), launcher=how)
+        if rdzv.nnodes == 1
+        else _run_on_nodes(suite, rdzv, root, resume)
+    )
+    if result is None:  # a node other than 0: it stores nothing
+        return
     page = render(result.run, report, results_root=root)
     err = stderr_console()
     err.print(Text(f"results: {result.run.path}\nreport:  {page}"))
@@ -165,6 +220,29 @@ def run(
             )
         )
         raise typer.Exit(1)
+
+
+def _run_on_nodes(suite: Suite, rdzv: Rendezvous, root: Path, resume: str | None) -> RunResult | None:
+    """Meet the other nodes; node 0 runs the suite with them, the others follow it (``None``: nothing to report)."""
+    from zbench import environment
+    from zbench.console import Progress, stderr_console
+    from zbench.launch import Launcher
+    from zbench.nodes import NodeGroup
+    from zbench.run_info import Environment
+    from zbench.runner import run_suite
+
+    err = stderr_console()
+    err.print(Text(f"node {rdzv.node_rank} of {rdzv.nnodes}: waiting for every node at {rdzv.endpoint}"))
+    here = Environment.model_validate(environment.collect())
+    me = f"node {rdzv.node_rank}"
+    with NodeGroup.join(rdzv, suite_sha256=suite.sha256 or "", environment=here) as nodes:
+        if nodes.leader:
+            return run_suite(
+                suite, results_root=root, resume=resume, progress=Progress(), launcher=Launcher(nodes=nodes)
+            )
+        count = nodes.follow(on_case=lambda task, what: err.print(Text(f"{me}: {task.case.case_id} {what}")))
+    err.print(Text(f"{me}: ran its ranks of {count} case(s); node 0 stored the results and wrote the report"))
+    return None
 
 
 def _print_dry_run(cases: tuple[Case, ...]) -> None:

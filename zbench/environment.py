@@ -7,6 +7,7 @@ import platform
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import zbench
 
@@ -39,6 +40,39 @@ def nvml_info() -> dict:
         pynvml.nvmlShutdown()
 
 
+def nvlink_links_up() -> list[int]:
+    """NVLink links up on each GPU (nvml), empty where nvml or NVLink is absent."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no library, no driver, no GPU
+        return []
+    try:
+        counts = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle, up = pynvml.nvmlDeviceGetHandleByIndex(i), 0
+            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                try:
+                    up += pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
+                except pynvml.NVMLError:  # past the GPU's last link, or no NVLink at all
+                    break
+            counts.append(up)
+        return counts
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def interconnect() -> dict:
+    """What NCCL would talk over: NVLink between local GPUs, InfiniBand devices, and the NCCL settings given."""
+    ib = Path("/sys/class/infiniband")
+    return {
+        "nvlink_links_up": nvlink_links_up(),
+        "infiniband": sorted(p.name for p in ib.iterdir()) if ib.is_dir() else [],
+        "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
+    }
+
+
 def collect() -> dict:
     import torch
     import torch.distributed as dist
@@ -63,6 +97,7 @@ def collect() -> dict:
         "gpu_count": torch.cuda.device_count() if cuda else 0,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
         "nvml": nvml_info(),
+        "interconnect": interconnect(),
     }
     if cuda and dist.is_nccl_available():
         info["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))

@@ -1,32 +1,33 @@
-"""Run one case as its own process group: one subprocess per rank, a timeout, and a verdict on how it ended.
+"""Run one case as a process group started by torch's elastic agent, with a timeout and a verdict on how it ended.
 
-Note: every rank is started in one new process group so that a
-timeout or a crashed peer can be answered by killing the whole group at once;
-a rank stuck in a collective would otherwise outlive the harness.
+Note: ``zbench.elastic`` starts this node's ranks; with several nodes
+(``zbench.nodes``) the other nodes start theirs for the same case and send
+their ranks' files here, so that the case is classified from one directory
+whatever the number of nodes.
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
+from zbench import slurm
 from zbench.case import Case
+from zbench.elastic import LocalRanks, Rendezvous
 from zbench.handoff import CaseFiles, RankError, RankResult, WorkerTask
 from zbench.values import Status
 
-#: How long the surviving ranks get to notice a dead peer before the group is killed.
-PEER_GRACE_S = 10.0
+if TYPE_CHECKING:
+    from zbench.nodes import NodeGroup
+
 POLL_S = 0.2
-STACK_DUMP_WAIT_S = 1.0
-#: A free port can be taken by another program between choosing and binding it; then the case is relaunched.
-PORT_ATTEMPTS = 3
+#: How long the agent gets to notice killed ranks and return, after a timeout or an interrupt.
+AGENT_EXIT_WAIT_S = 60.0
 STDERR_TAIL_LINES = 40
 
 
@@ -45,84 +46,119 @@ class Outcome:
     warnings: list[str] = field(default_factory=list)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass(frozen=True)
+class Launcher:
+    """How a case's ranks start: torch's elastic agent on this node (with ``nodes``, on several), or ``srun``."""
+
+    kind: Literal["elastic", "slurm"] = "elastic"
+    nodes: NodeGroup | None = None
+
+    @property
+    def nnodes(self) -> int:
+        if self.kind == "slurm":
+            return slurm.allocation_nodes()
+        return self.nodes.rendezvous.nnodes if self.nodes is not None else 1
+
+    def work_root(self, run_path: Path) -> Path | None:
+        """Where a case's files go: under the run for srun (its ranks on other nodes must see them), else tmp."""
+        return run_path if self.kind == "slurm" else None
 
 
-#: glibc's initial mmap threshold (128 KiB), pinned for CPU ranks. By default glibc raises the threshold as
-#: large blocks are freed, after which backward's freed transients stay in the heap, resident: peak RSS then
-#: measured glibc's free lists (150-290 MiB on the 41M-parameter model, different every run) rather than what
-#: the rank held, and hid what NVMe offload takes out of memory. Pinned, large blocks are mapped and unmapped
-#: and RSS follows the bytes in use. A value the user exports is kept.
-CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+#: The launcher unless told otherwise: the elastic agent, on this node alone.
+ONE_NODE = Launcher()
 
 
-def _env(rank: int, world: int, port: int, device: str = "cpu") -> dict[str, str]:
-    env = dict(os.environ)
-    if device == "cpu":
-        env = {**CPU_MALLOC_ENV, **env}
-    # The user's PYTHONPATH first (``zbench ab`` puts the base checkout there), then the working directory,
-    # where suites' plug-in implementations usually live; PYTHONSAFEPATH stops ``python -m`` from putting the
-    # working directory ahead of them all (Python >= 3.11; ``zbench ab`` refuses older ones).
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), os.getcwd()) if p)
-    env["PYTHONSAFEPATH"] = "1"
-    env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        PYTHONUNBUFFERED="1",
-    )
-    return env
+@dataclass
+class _Ended:
+    """How the ranks' launcher ended: out of time, the ranks it saw fail first (rank -> exit code), its own error."""
+
+    timed_out: bool
+    failures: dict[int, int]
+    error: str | None
+    pids: list[int]
 
 
-def _spawn(task: WorkerTask, files: CaseFiles, port: int) -> list[subprocess.Popen[bytes]]:
+def run_case(
+    task: WorkerTask,
+    workdir: Path,
+    *,
+    on_progress: Callable[[str], None] = lambda _: None,
+    launcher: Launcher = ONE_NODE,
+) -> Outcome:
+    """Launch the case's ranks (on every node) and classify the result."""
     case = task.case
+    files = CaseFiles(workdir)
+    files.workdir.mkdir(parents=True, exist_ok=True)
     files.task.write_text(task.model_dump_json())
-    procs: list[subprocess.Popen[bytes]] = []
-    for rank in range(case.world_size):
-        log = open(files.log(rank), "wb")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "zbench.worker", str(files.workdir)],
-                env=_env(rank, case.world_size, port, case.device),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                process_group=0 if rank == 0 else procs[0].pid,
-            )
-        )
-        log.close()
-    return procs
+    start = time.monotonic()
+
+    def poll() -> None:
+        on_progress(_progress(files))
+
+    if launcher.kind == "slurm":
+        ended = _run_srun(case, files, launcher, poll)
+    else:
+        ended = _run_elastic(task, files, launcher.nodes, poll)
+    outcome = _classify(case, files, ended.timed_out, time.monotonic() - start, ended.failures, ended.error)
+    outcome.pids = ended.pids
+    return outcome
 
 
-def dump_stacks(procs: list[subprocess.Popen[bytes]]) -> None:
-    """Ask every rank to print its Python stacks (workers register faulthandler on SIGUSR1) before the kill."""
+def _run_elastic(task: WorkerTask, files: CaseFiles, nodes: NodeGroup | None, poll: Callable[[], None]) -> _Ended:
+    """This node's ranks through the elastic agent; with other nodes, theirs too, their files merged into ``files``."""
+    run_id = f"zbench-{uuid.uuid4().hex[:12]}"
+    if nodes is not None:
+        nodes.announce(task, run_id)
+    ranks = LocalRanks(
+        files,
+        world_size=task.case.world_size,
+        device=task.case.device,
+        run_id=run_id,
+        rdzv=nodes.rendezvous if nodes is not None else Rendezvous(),
+    )
+    ended = _Ended(watch(ranks, task.case.timeout_s, poll), dict(ranks.result.failures), ranks.result.error, ranks.pids)
+    if nodes is not None:
+        remote = nodes.collect(files, timeout_s=task.case.timeout_s)
+        ended.failures.update(remote.failures)
+        ended.pids += remote.pids
+        ended.timed_out = ended.timed_out or remote.timed_out
+        ended.error = ended.error or next(iter(remote.errors), None)
+    return ended
+
+
+def _run_srun(case: Case, files: CaseFiles, launcher: Launcher, poll: Callable[[], None]) -> _Ended:
+    step = slurm.SrunStep(files, case.world_size, case.device, launcher.nnodes, case.timeout_s)
+    timed_out = step.run(poll)
+    return _Ended(timed_out, step.failures, step.error, step.pids)
+
+
+def _progress(files: CaseFiles) -> str:
+    step = files.read_progress()
+    return f"step {step}" if step else "starting ranks"
+
+
+def watch(ranks: LocalRanks, timeout_s: float, on_poll: Callable[[], None]) -> bool:
+    """Start the ranks and wait for the agent to return; True when the case ran out of time (stacks dumped, killed).
+
+    Note: whatever ends the wait (the agent, the timeout, Ctrl-C in the harness), no rank outlives it.
+    """
+    start = time.monotonic()
+    ranks.start()
+    timed_out = False
     try:
-        os.killpg(procs[0].pid, signal.SIGUSR1)
-    except (ProcessLookupError, PermissionError):
-        return
-    time.sleep(STACK_DUMP_WAIT_S)
-
-
-def kill_group(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGKILL every process of the case's group, then reap the ranks."""
-    if procs:
-        try:
-            os.killpg(procs[0].pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        except PermissionError:  # pragma: no cover - group leader replaced by an unrelated process
-            pass
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            p.kill()
+        while ranks.running():
+            if time.monotonic() - start > timeout_s:
+                timed_out = True
+                ranks.dump_stacks_and_kill()
+                break
+            ranks.processes()  # remembers the ranks' pids for the record
+            on_poll()
+            time.sleep(POLL_S)
+    finally:
+        if ranks.running():
+            ranks.signal(signal.SIGKILL)
+        ranks.wait(AGENT_EXIT_WAIT_S)
+    return timed_out
 
 
 def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
@@ -140,7 +176,7 @@ def _all_tails(files: CaseFiles, world: int) -> str:
 
 def _describe_exit(code: int | None) -> str:
     if code is None:
-        return "still running"
+        return "stopped by the launcher"
     if code < 0:
         try:
             return f"killed by signal {signal.Signals(-code).name}"
@@ -149,64 +185,29 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def run_case(task: WorkerTask, workdir: Path, *, on_progress: Callable[[str], None] = lambda _: None) -> Outcome:
-    """Launch the case's ranks and classify the result; relaunch when the rendezvous port was taken meanwhile."""
-    for attempt in range(PORT_ATTEMPTS):
-        outcome = _run_once(task, CaseFiles(workdir / f"attempt{attempt}"), on_progress)
-        if outcome.status != "error" or "address already in use" not in outcome.stderr_tail.lower():
-            return outcome
-    return outcome
+def _died_on_their_own(failures: dict[int, int]) -> dict[int, int]:
+    """The failures less the ranks the agent stopped: it ends the peers of a failed rank with SIGTERM.
 
-
-def _run_once(task: WorkerTask, files: CaseFiles, on_progress: Callable[[str], None]) -> Outcome:
-    case = task.case
-    files.workdir.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    procs = _spawn(task, files, free_port())
-    timed_out = False
-    first_failure_at: float | None = None
-    died_before_kill: dict[int, int] = {}  # rank -> exit code, for ranks that ended on their own
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            died_before_kill.update({r: c for r, c in enumerate(codes) if c not in (None, 0)})
-            if all(c is not None for c in codes):
-                break
-            now = time.monotonic()
-            if now - start > case.timeout_s:
-                timed_out = True
-                dump_stacks(procs)
-                break
-            if any(c not in (None, 0) for c in codes):
-                first_failure_at = first_failure_at or now
-                if now - first_failure_at > PEER_GRACE_S:
-                    break
-            step = files.read_progress()
-            on_progress(f"step {step}" if step else "starting ranks")
-            time.sleep(POLL_S)
-    finally:
-        kill_group(procs)
-    outcome = _classify(case, files, procs, timed_out, time.monotonic() - start, died_before_kill)
-    outcome.pids = [p.pid for p in procs]
-    return outcome
+    Note: a rank that a user or the system ended with SIGTERM is counted as stopped too, unless it is the only
+    kind of failure there is.
+    """
+    own = {r: c for r, c in failures.items() if c != -signal.SIGTERM}
+    return own or failures
 
 
 def _classify(
-    case: Case,
-    files: CaseFiles,
-    procs: list[subprocess.Popen[bytes]],
-    timed_out: bool,
-    wall_s: float,
-    died_before_kill: dict[int, int],
+    case: Case, files: CaseFiles, timed_out: bool, wall_s: float, failures: dict[int, int], launch_error: str | None
 ) -> Outcome:
     """ok, oom, timeout or error, and which rank to blame.
 
-    Note: when one rank dies, its peers fail too (a broken connection in the
-    next collective) and write error files of their own; a rank killed by a
-    signal writes none. So a signal death seen before the harness killed the
-    group is the cause, ahead of the peers' errors.
+    ``failures``: every rank that ended non-zero (global rank -> exit code), the
+    ones the agent stopped with SIGTERM after the first failure included.
+
+    Note: a rank that raised writes an error file; a rank killed by a signal
+    writes none, and its peers may have failed in their next collective and
+    written errors of their own meanwhile. So a signal death the agent saw is
+    the cause, ahead of the peers' errors; among errors, the earliest.
     """
-    codes = [p.returncode for p in procs]
     ranks: list[RankResult] = []
     timed_errors: list[tuple[int, RankError]] = []
     for r in range(case.world_size):
@@ -216,12 +217,13 @@ def _classify(
             timed_errors.append(
                 (files.error(r).stat().st_mtime_ns, RankError.model_validate_json(files.error(r).read_text()))
             )
-    # the first rank to fail is the cause; peers fail because it died
+    finished = {r.rank for r in ranks}
+    codes: list[int | None] = [failures.get(r, 0 if r in finished else None) for r in range(case.world_size)]
     errors = [e for _, e in sorted(timed_errors, key=lambda pair: pair[0])]
     error_ranks = {e.rank for e in errors}
-    finished = {r.rank for r in ranks}
-    signalled = [r for r, c in sorted(died_before_kill.items()) if c < 0 and r not in error_ranks | finished]
-    failing_rank = errors[0].rank if errors else next((r for r, c in enumerate(codes) if c not in (0, None)), 0)
+    died = _died_on_their_own(failures)
+    signalled = [r for r, c in sorted(died.items()) if c < 0 and r not in error_ranks | finished]
+    failing_rank = errors[0].rank if errors else min(died, default=0)
     tail = _tail(files.log(failing_rank)) if errors and not signalled else _all_tails(files, case.world_size)
     outcome = Outcome(status="ok", ranks=ranks, exit_codes=codes, wall_s=wall_s, stderr_tail=tail)
     if timed_out:
@@ -234,23 +236,26 @@ def _classify(
     elif signalled:
         rank = signalled[0]
         outcome.status = "error"
-        outcome.error = f"rank {rank} {_describe_exit(died_before_kill[rank])} without a result"
+        outcome.error = f"rank {rank} {_describe_exit(died[rank])} without a result"
     elif errors:
         outcome.status = "error"
         outcome.error = f"rank {errors[0].rank}: {errors[0].message}"
+    elif launch_error is not None and len(ranks) != case.world_size:
+        outcome.status = "error"
+        outcome.error = launch_error
     elif len(ranks) == case.world_size:
         # every rank handed back its results, then one failed while shutting down: the measurements stand,
         # the crash is kept as a warning (it is the implementation's bug, not the harness's)
         outcome.warnings = [
             f"rank {r} {_describe_exit(c)} after writing its results (during shutdown)"
-            for r, c in enumerate(codes)
-            if c != 0
+            for r, c in sorted(failures.items())
         ]
         if outcome.warnings:
             outcome.stderr_tail = _all_tails(files, case.world_size)
-    elif any(c != 0 for c in codes) or len(ranks) != case.world_size:
+    else:
+        missing = min(died) if died else next(r for r in range(case.world_size) if r not in finished)
         outcome.status = "error"
-        outcome.error = f"rank {failing_rank} {_describe_exit(codes[failing_rank])} without a result"
+        outcome.error = f"rank {missing} {_describe_exit(codes[missing])} without a result"
     if outcome.status == "ok" and files.params.exists():
         outcome.params_path = files.params
     return outcome

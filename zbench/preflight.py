@@ -65,20 +65,26 @@ def local_ranks(device: str) -> int:
     return torch.cuda.device_count() if device == "cuda" else 2
 
 
-def resolved_world_sizes(config: SuiteConfig, device: str) -> list[int]:
-    """The suite's world sizes with ``auto`` made a number, each once, in order."""
-    sizes = [local_ranks(device) if w == "auto" else w for w in config.world_sizes]
+def resolved_world_sizes(config: SuiteConfig, device: str, nnodes: int = 1) -> list[int]:
+    """The suite's world sizes with ``auto`` made a number (the local ranks times the nodes), each once, in order."""
+    sizes = [local_ranks(device) * nnodes if w == "auto" else w for w in config.world_sizes]
     return list(dict.fromkeys(sizes))
 
 
-def check_world_sizes(device: str, world_sizes: list[int], source: str) -> None:
+def check_world_sizes(device: str, world_sizes: list[int], source: str, nnodes: int = 1) -> None:
+    """Every world size splits evenly over the nodes, and each node's share fits its GPUs."""
     import torch
 
+    uneven = [w for w in world_sizes if w % nnodes]
+    if uneven:
+        raise UsageError(f"{source}: world size {uneven[0]} does not split evenly over {nnodes} nodes")
     if device == "cuda":
         have = torch.cuda.device_count()
-        too_big = [w for w in world_sizes if w > have]
+        too_big = [w for w in world_sizes if w // nnodes > have]
         if too_big:
-            raise UsageError(f"{source}: world size {max(too_big)} needs {max(too_big)} GPUs but {have} present")
+            per_node = max(too_big) // nnodes
+            where = f" on each of {nnodes} nodes" if nnodes > 1 else ""
+            raise UsageError(f"{source}: world size {max(too_big)} needs {per_node} GPUs{where} but {have} present")
 
 
 def entries_with_reference(config: SuiteConfig) -> list[ImplementationEntry]:
@@ -213,13 +219,16 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
     return cases
 
 
-def prepare(suite: SuiteFile) -> Suite:
-    """Check the machine against the suite and expand it; every problem is one ``UsageError`` naming the suite."""
+def prepare(suite: SuiteFile, *, nnodes: int = 1) -> Suite:
+    """Check the machine against the suite and expand it; every problem is one ``UsageError`` naming the suite.
+
+    ``nnodes``: the nodes the run spans, each assumed to be like this one (as torchrun assumes).
+    """
     source = suite.path or "suite"
     device = resolve_device(suite.config.device)
-    world_sizes = resolved_world_sizes(suite.config, device)
+    world_sizes = resolved_world_sizes(suite.config, device, nnodes)
     config = suite.config.model_copy(update={"world_sizes": world_sizes})
-    check_world_sizes(device, world_sizes, source)
+    check_world_sizes(device, world_sizes, source, nnodes)
     implementations = resolve_implementations([e.name for e in entries_with_reference(config)], source)
     check_models(config, source)
     cases = tuple(expand(config, device=device, implementations=implementations))

@@ -112,9 +112,13 @@ class CheckResult:
 
 
 def machine_fingerprint(info: RunInfo) -> str:
-    """Host, CPUs and GPUs: baselines only count on the machine that made them."""
-    env = info.environment
-    key = "|".join(str(v) for v in (env.host, env.cpu_count, env.gpus))
+    """Host, CPUs and GPUs of every node: baselines only count on the machines that made them.
+
+    Note: a run on one node hashes as it always did (old baselines still match); a multi-node run hashes every
+    node in node-rank order, so two nodes never match one, nor the same nodes in another order.
+    """
+    nodes = info.nodes or [info.environment]
+    key = " / ".join("|".join(str(v) for v in (env.host, env.cpu_count, env.gpus)) for env in nodes)
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 

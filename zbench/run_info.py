@@ -32,6 +32,9 @@ class Environment(BaseModel):
     gpu_count: int = 0
     gpus: list[str] = Field(default_factory=list)
     nvml: dict[str, Any] = Field(default_factory=dict)
+    interconnect: dict[str, Any] = Field(default_factory=dict)
+    """What links this machine's GPUs to each other and to other nodes, as nvml and the system report it:
+    NVLink links up per GPU, InfiniBand devices, and the ``NCCL_*`` settings in the environment."""
 
 
 class SuiteInfo(BaseModel):
@@ -60,6 +63,8 @@ class RunInfo(BaseModel):
     run_id: str
     suite: SuiteInfo
     environment: Environment = Field(default_factory=Environment)
+    nodes: list[Environment] = Field(default_factory=list)
+    """Every node's environment, node 0's first, when the run spanned several nodes (empty on one node)."""
     git_sha: str | None = None
     case_order: list[str] = Field(default_factory=list)
     started_at: str = ""

@@ -17,7 +17,7 @@ from zbench.case import Case
 from zbench.console import Progress
 from zbench.errors import UsageError
 from zbench.handoff import WorkerTask
-from zbench.launch import run_case
+from zbench.launch import ONE_NODE, Launcher, run_case
 from zbench.preflight import Suite
 from zbench.record import CaseRecord
 from zbench.run_info import RunInfo, SuiteInfo
@@ -66,13 +66,23 @@ def check_free_space(path: Path) -> None:
         )
 
 
-def run_suite(suite: Suite, *, results_root: Path, resume: str | None = None, progress: Progress) -> RunResult:
-    """Run (or, with ``resume``, complete) a suite; a failure to store results stops it with a ``UsageError``."""
+def run_suite(
+    suite: Suite,
+    *,
+    results_root: Path,
+    resume: str | None = None,
+    progress: Progress,
+    launcher: Launcher = ONE_NODE,
+) -> RunResult:
+    """Run (or, with ``resume``, complete) a suite; a failure to store results stops it with a ``UsageError``.
+
+    With ``launcher.nodes`` (this is node 0 of several), every case also runs on the other nodes, which follow.
+    """
     run = prepare_run(results_root, resume)
     check_free_space(run.path)
     try:
         with RunLock(run):
-            return _run_cases(suite, run, resume, progress)
+            return _run_cases(suite, run, resume, progress, launcher)
     except RunLocked as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:
@@ -83,11 +93,12 @@ def run_suite(suite: Suite, *, results_root: Path, resume: str | None = None, pr
         ) from None
 
 
-def _run_cases(suite: Suite, run: RunDir, resume: str | None, progress: Progress) -> RunResult:
+def _run_cases(suite: Suite, run: RunDir, resume: str | None, progress: Progress, launcher: Launcher) -> RunResult:
     run.start(
         RunInfo(
             run_id=run.run_id,
-            environment=environment.collect(),
+            environment=launcher.nodes.hellos[0].environment if launcher.nodes else environment.collect(),
+            nodes=[hello.environment for hello in launcher.nodes.hellos] if launcher.nodes else [],
             git_sha=environment.git_sha(),
             suite=SuiteInfo(
                 name=suite.config.name,
@@ -112,8 +123,10 @@ def _run_cases(suite: Suite, run: RunDir, resume: str | None, progress: Progress
                 "its final parameters were deleted when the run finished"
             )
             rerun = by_id.get(lost.case_id, lost.config)  # the suite's case: it carries capabilities
-            _store(_run_guarded(rerun, run, references, index, progress), run, records, references)
-        record = skipped_record(case) if case.skip_reason else _run_guarded(case, run, references, index, progress)
+            _store(_run_guarded(rerun, run, references, index, progress, launcher), run, records, references)
+        record = (
+            skipped_record(case) if case.skip_reason else _run_guarded(case, run, references, index, progress, launcher)
+        )
         _store(record, run, records, references)
         progress.case_done(index, case, record)
     for record in references.release_params():
@@ -181,10 +194,12 @@ class References:
         return released
 
 
-def _run_guarded(case: Case, run: RunDir, references: References, index: int, progress: Progress) -> CaseRecord:
+def _run_guarded(
+    case: Case, run: RunDir, references: References, index: int, progress: Progress, launcher: Launcher
+) -> CaseRecord:
     """Run a case; a bug in the harness's own handling of it is recorded as that case's error, not a dead suite."""
     try:
-        return _run_one(case, run, references, index, progress)
+        return _run_one(case, run, references, index, progress, launcher)
     except OSError:
         raise  # the results cannot be stored (disk full, read-only): stop the run, not just this case
     except Exception as exc:
@@ -193,18 +208,21 @@ def _run_guarded(case: Case, run: RunDir, references: References, index: int, pr
         )
 
 
-def _run_one(case: Case, run: RunDir, references: References, index: int, progress: Progress) -> CaseRecord:
+def _run_one(
+    case: Case, run: RunDir, references: References, index: int, progress: Progress, launcher: Launcher
+) -> CaseRecord:
     started_at, t0 = now(), time.monotonic()
     try:
         with (
             nvme.case_directory(case, run.run_id) as swap_dir,
-            tempfile.TemporaryDirectory(prefix=f"zbench-{case.case_id}-") as tmp,
+            tempfile.TemporaryDirectory(prefix=f"zbench-{case.case_id}-", dir=launcher.work_root(run.path)) as tmp,
         ):
             progress.case_started(index, case)
             outcome = run_case(
                 WorkerTask(case=case, swap_dir=swap_dir),
                 Path(tmp),
                 on_progress=lambda what: progress.case_update(index, case, what, time.monotonic() - t0),
+                launcher=launcher,
             )
             record = case_record(case, outcome, started_at=started_at, ended_at=now())
             if outcome.params_path is not None:

@@ -1,9 +1,11 @@
 """What runs on every rank of a case: build, wrap, train, measure, hand the results back.
 
-Launched by ``zbench.launch`` as ``python -m zbench.worker WORKDIR`` with
-``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
-set. It reads its ``WorkerTask`` from WORKDIR and hands back a ``RankResult``
-(or a ``RankError``); ``zbench.handoff`` names every file.
+Started by torch's elastic agent (``zbench.elastic``) as ``python -m
+zbench.worker WORKDIR`` with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, or by
+``srun`` (``zbench.slurm``) with SLURM's variables and ``ZBENCH_STORE``. It
+reads its ``WorkerTask`` from WORKDIR and hands back a ``RankResult`` (or a
+``RankError``); ``zbench.handoff`` names every file.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
@@ -212,7 +215,27 @@ def exit_without_teardown() -> NoReturn:
     os._exit(0)
 
 
+def rank_and_world(env: Mapping[str, str]) -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size) from torch's launcher (``RANK`` ...) or from ``srun``."""
+    if "RANK" in env:
+        world = int(env["WORLD_SIZE"])
+        return int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world))
+    world = int(env["SLURM_NTASKS"])
+    per_node = env.get("SLURM_NTASKS_PER_NODE", str(world)).split("(")[0]  # "2(x3)": 2 tasks on each of 3 nodes
+    return int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), int(per_node)
+
+
+def harness_store(world: int, timeout_s: float) -> dist.Store | None:
+    """The store the harness hosts for the case (``ZBENCH_STORE=HOST:PORT``, under srun), else None: ``env://``."""
+    address = os.environ.get("ZBENCH_STORE")
+    if not address:
+        return None
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), world + 1, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def main(argv: list[str]) -> int:
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the launcher keeps one log per rank: its stderr
     die_with_parent()
     comms.install()
     faulthandler.register(
@@ -220,14 +243,16 @@ def main(argv: list[str]) -> int:
     )  # the launcher's "where are you stuck?" before a timeout kill
     files = CaseFiles(Path(argv[0]))
     task = WorkerTask.model_validate_json(files.task.read_text())
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    rank, world, local_rank, local_world = rank_and_world(os.environ)
     if task.case.device == "cpu":
-        torch.set_num_threads(int(os.environ.get("ZBENCH_THREADS_PER_RANK", max(1, (os.cpu_count() or 1) // world))))
+        torch.set_num_threads(
+            int(os.environ.get("ZBENCH_THREADS_PER_RANK", max(1, (os.cpu_count() or 1) // local_world)))
+        )
     try:
         device = pick_device(task.case, local_rank)
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
+            store=harness_store(world, task.case.timeout_s),
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=task.case.timeout_s),
@@ -246,6 +271,9 @@ def main(argv: list[str]) -> int:
         sys.stderr.flush()
         os._exit(3)
     atomic_write_json(files.result(rank), result.model_dump(mode="json"))
+    # every rank's results are on disk before any rank tears down: the agent stops the others as soon as one
+    # ends non-zero, and a rank that crashes in teardown must not cost a slower peer its results
+    dist.barrier()
     dist.destroy_process_group()
     exit_without_teardown()
 

@@ -5,7 +5,8 @@
 (a classic hook bug: training goes on, quietly wrong); ``crash`` raises on
 rank 1; ``oom`` asks for an impossible allocation; ``hang`` leaves rank 1
 asleep so rank 0 blocks in a collective; ``sigkill`` kills rank 1 by a signal; ``abort_at_exit`` aborts rank 1
-at interpreter exit; ``slow`` sleeps, after each step, ``$ZBENCH_TEST_SLOWDOWN_PCT`` percent of the time
+at interpreter exit; ``sigkill_marked`` kills, at step 3, every rank started where ``$ZBENCH_TEST_KILL_HERE``
+names a file (the test sets it on one "node" of a multi-node run), after writing its rank there; ``slow`` sleeps, after each step, ``$ZBENCH_TEST_SLOWDOWN_PCT`` percent of the time
 the step took (a build that is that much slower, loaded machine or not).
 """
 
@@ -72,6 +73,11 @@ class FaultyEngine(DDPEngine):
                 time.sleep(3600)
             if self.fault == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
+        marked = os.environ.get("ZBENCH_TEST_KILL_HERE")
+        if self.fault == "sigkill_marked" and self.steps == 3 and marked:
+            with open(marked, "w") as f:
+                f.write(str(rank))
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.fault != "slow":
             return super().step(micro_batches)
         # slowed only when the test sets the variable: the same suite, a slower build
