@@ -194,6 +194,10 @@ def run(
         raise UsageError(
             "--launcher slurm takes its nodes from the allocation: drop --nnodes/--node-rank/--rdzv-endpoint"
         )
+    if launcher == "slurm":
+        from zbench.slurm import srun_binary
+
+        srun_binary()  # before anything runs: without srun every case would fail the same way
     how = Launcher(kind=launcher)
     suite = preflight.prepare(suite_file_, nnodes=how.nnodes if launcher == "slurm" else rdzv.nnodes)
     suite = dataclasses.replace(suite, cases=selection.select(suite.cases, patterns or []))

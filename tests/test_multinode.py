@@ -1,0 +1,233 @@
+"""Several nodes, played by several harnesses on loopback: the same suite, the same numbers as one node.
+
+Each "node" is a real ``zbench run --nnodes 2 --node-rank R --rdzv-endpoint
+127.0.0.1:PORT`` process with one rank; the elastic agents of the two meet at
+node 0's store, exactly as on two machines. The SLURM launcher runs through
+``tests/tools/srun``, a stand-in for srun on one host (two tasks, the variables
+srun sets). Every rank gets one thread, as each rank of a single-node world-2
+run on these 2-core machines does: CPU kernels split their sums by thread
+count, and the losses are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, CLIResult, child_env, zbench, zbench_many
+from zbench.regress import machine_fingerprint
+from zbench.run_info import Environment, RunInfo, SuiteInfo
+
+FAULTY = "tests.plugins.faulty:FAULTY"
+#: suites/stages.yaml shrunk to what a test can afford: the tiny model, 5 steps, fp32, and one case of each family
+#: (with the DDP reference and its twin); the full smoke and stages suites were compared by hand (closing note).
+SHRINK = ["--set", "models=[tiny]", "--set", "steps=5", "--set", "warmup_steps=1", "--set", "precisions=[fp32]"]
+FAMILIES = ["-k", "zero1", "-k", "zero3", "-k", "fsdp-s3", "-k", "fsdp1-s2", "-k", "deepspeed-s3"]
+KILL_SUITE = f"""
+name: kill-on-node-1
+device: cpu
+models: tiny
+world_sizes: 2
+steps: 6
+warmup_steps: 1
+timeout_s: 300
+implementations:
+  - ddp
+  - {{name: "{FAULTY}", options: {{fault: sigkill_marked}}}}
+  - torch_zero
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args: list[str], **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "zbench", *args],
+        cwd=ROOT,
+        env=child_env(COLUMNS="200", ZBENCH_THREADS_PER_RANK="1", **env),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 900) -> CLIResult:
+    out, err = proc.communicate(timeout=timeout)
+    return CLIResult(proc.returncode, out, err)
+
+
+def two_nodes(suite: str, results: Path, *extra: str, node1_env: dict[str, str] | None = None) -> list[CLIResult]:
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = [suite, "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-timeout", "120", *extra]
+    node0 = start(["run", *common, "--node-rank", "0", "--results", str(results), "--report", str(results / "report")])
+    node1 = start(["run", *common, "--node-rank", "1", "--results", str(results / "node1")], **(node1_env or {}))
+    return [finish(node0), finish(node1)]
+
+
+def records(results: Path) -> dict[str, dict]:
+    (run,) = [p for p in results.iterdir() if (p / "run.json").exists()]
+    return {p.stem: json.loads(p.read_text()) for p in (run / "cases").glob("*.json")}
+
+
+def run_info(results: Path) -> dict:
+    (run,) = [p for p in results.iterdir() if (p / "run.json").exists()]
+    return json.loads((run / "run.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """suites/stages.yaml (shrunk) on one node and on two loopback nodes, smoke.yaml under srun; all at once."""
+    tmp = tmp_path_factory.mktemp("multinode")
+    suite = str(ROOT / "suites" / "stages.yaml")
+    fake_srun = {"PATH": f"{ROOT / 'tests' / 'tools'}{os.pathsep}{os.environ['PATH']}"}
+    single = start(
+        ["run", suite, *SHRINK, *FAMILIES, "--results", str(tmp / "one"), "--report", str(tmp / "one-report")]
+    )
+    smoke = str(ROOT / "suites" / "smoke.yaml")  # its DDP and FSDP2 cases are stages' too
+    srun = start(
+        [
+            "run",
+            smoke,
+            *SHRINK,
+            "-k",
+            "fsdp",
+            "--launcher",
+            "slurm",
+            "--results",
+            str(tmp / "srun"),
+            "--report",
+            str(tmp / "r"),
+        ],
+        **fake_srun,
+    )
+    nodes = two_nodes(suite, tmp / "two", *SHRINK, *FAMILIES)
+    return {"one": (finish(single), tmp / "one"), "two": (nodes, tmp / "two"), "srun": (finish(srun), tmp / "srun")}
+
+
+def _same_as_one_node(one: dict[str, dict], other: dict[str, dict]) -> None:
+    """Every case of ``other`` has the status, losses, final parameters, traffic and verdict of its twin in ``one``."""
+    assert set(other) <= set(one)
+    for case_id, theirs in other.items():
+        record = one[case_id]
+        assert theirs["status"] == record["status"], (case_id, theirs.get("error"))
+        if record["status"] != "ok":
+            continue
+        assert [s["loss"] for s in theirs["steps"]] == [s["loss"] for s in record["steps"]], case_id
+        assert theirs["param_checksums"] == record["param_checksums"], case_id
+        assert theirs["comms"]["per_step_elements"] == record["comms"]["per_step_elements"], case_id
+        assert theirs["equivalence"]["equivalent"] == record["equivalence"]["equivalent"], case_id
+
+
+def test_two_nodes_give_the_single_node_verdicts_losses_and_traffic(runs):
+    (single, one), ((node0, node1), two) = runs["one"], runs["two"]
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert node0.returncode == 0, node0.stderr[-3000:]
+    assert node1.returncode == 0, node1.stderr[-3000:]
+    ran = [case_id for case_id, record in records(one).items() if record["status"] == "ok"]
+    assert len(ran) >= 6, ran  # ddp, its twin, zero1, zero3, fsdp, fsdp1 (and deepspeed where installed)
+    assert set(records(two)) == set(records(one))
+    _same_as_one_node(records(one), records(two))
+    assert "node 0 stored the results" in node1.stderr
+    assert not (two / "node1").exists() or not any((two / "node1").iterdir())  # node 1 keeps nothing
+
+
+def test_a_multi_node_run_records_every_node_and_is_its_own_machine(runs):
+    (_, one), (_, two) = runs["one"], runs["two"]
+    info = run_info(two)
+    assert len(info["nodes"]) == 2
+    for node in info["nodes"]:
+        assert node["host"] and node["torch"] and "interconnect" in node
+    single = RunInfo.model_validate(run_info(one))
+    double = RunInfo.model_validate(info)
+    assert single.nodes == []
+    assert machine_fingerprint(single) != machine_fingerprint(double)  # a baseline from one node never gates two
+
+
+def test_srun_gives_the_single_node_numbers(runs):
+    (_, one), (srun, srun_dir) = runs["one"], runs["srun"]
+    assert srun.returncode == 0, srun.stderr[-3000:]
+    assert len(records(srun_dir)) == 3  # ddp, its twin, fsdp
+    _same_as_one_node(records(one), records(srun_dir))
+    (run,) = [p for p in srun_dir.iterdir() if (p / "run.json").exists()]
+    assert not [p for p in run.iterdir() if p.name.startswith("zbench-")]  # the cases' shared directories are gone
+
+
+def test_a_rank_killed_on_node_1_fails_its_case_by_name_and_the_suite_goes_on(tmp_path):
+    suite = tmp_path / "kill.yaml"
+    suite.write_text(KILL_SUITE)
+    marker = tmp_path / "killed-rank"
+    node0, node1 = two_nodes(str(suite), tmp_path / "results", node1_env={"ZBENCH_TEST_KILL_HERE": str(marker)})
+    assert node0.returncode == 1, node0.stderr[-3000:]
+    assert node1.returncode == 0, node1.stderr[-3000:]
+    killed = int(marker.read_text())
+    got = {
+        r["config"]["implementation"]: r
+        for r in records(tmp_path / "results").values()
+        if not r["config"]["noise_twin"]
+    }
+    faulty = got[FAULTY]
+    assert faulty["status"] == "error"
+    assert f"rank {killed} killed by signal SIGKILL without a result" in faulty["error"], faulty["error"]
+    assert got["ddp"]["status"] == "ok" and got["torch_zero"]["status"] == "ok"  # before and after: intact, and on
+    assert got["torch_zero"]["equivalence"]["equivalent"] is True
+
+
+def test_a_node_that_never_comes_is_one_line_after_the_timeout(tmp_path):
+    port = free_port()
+    result = zbench(
+        "run", str(ROOT / "suites" / "smoke.yaml"), "--nnodes", "2", "--node-rank", "0",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "3", "--results", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"rendezvous at 127.0.0.1:{port} timed out after 3 s: node rank(s) 1 of 2 did not join" in last
+    assert "Traceback" not in result.stderr
+
+
+BAD_FLAGS = [
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2 is not a node of --nnodes 2"),
+    (["--nnodes", "2", "--rdzv-endpoint", "nowhere"], "is not HOST:PORT"),
+    (["--node-rank", "1"], "give --nnodes too"),
+    (["--launcher", "slurm", "--nnodes", "2", "--rdzv-endpoint", "h:1"], "takes its nodes from the allocation"),
+    (["--set", "world_sizes=[3]", "--nnodes", "2", "--rdzv-endpoint", "h:1"], "does not split evenly over 2"),
+]
+
+
+def test_bad_multi_node_flags_are_one_line(tmp_path):
+    smoke = str(ROOT / "suites" / "smoke.yaml")
+    results = zbench_many([["run", smoke, *flags, "--results", str(tmp_path)] for flags, _ in BAD_FLAGS])
+    for result, (flags, message) in zip(results, BAD_FLAGS):
+        assert result.returncode == 2, (flags, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr, (flags, result.stderr)
+
+
+def test_srun_missing_is_one_line(tmp_path):
+    env_path = os.environ["PATH"]
+    os.environ["PATH"] = "/nonexistent"
+    try:
+        result = zbench("run", str(ROOT / "suites" / "smoke.yaml"), "--launcher", "slurm", "--results", str(tmp_path))
+    finally:
+        os.environ["PATH"] = env_path
+    assert result.returncode == 2, result.stderr
+    assert "--launcher slurm needs srun on PATH" in result.stderr
+
+
+def test_fingerprint_of_one_node_is_unchanged_by_the_nodes_field():
+    env = Environment(host="a", cpu_count=2, gpus=["H100"])
+    one = RunInfo(run_id="r", suite=SuiteInfo(name="s"), environment=env)
+    assert machine_fingerprint(one) == machine_fingerprint(one.model_copy(update={"nodes": [env]}))
+    two = one.model_copy(update={"nodes": [env, env.model_copy(update={"host": "b"})]})
+    swapped = one.model_copy(update={"nodes": [env.model_copy(update={"host": "b"}), env]})
+    assert len({machine_fingerprint(one), machine_fingerprint(two), machine_fingerprint(swapped)}) == 3
