@@ -1,13 +1,18 @@
 """Implementations that are wrong on purpose, used only by the tests to prove the harness catches them.
 
 ``FAULTY`` behaves like DDP unless its suite options ask for a fault:
-``fault: unsynced`` forgets to average one parameter's gradient across ranks
-(a classic hook bug: training goes on, quietly wrong); ``crash`` raises on
-rank 1; ``oom`` asks for an impossible allocation; ``hang`` leaves rank 1
-asleep so rank 0 blocks in a collective; ``sigkill`` kills rank 1 by a signal; ``abort_at_exit`` aborts rank 1
-at interpreter exit; ``sigkill_marked`` kills, at step 3, every rank started where ``$ZBENCH_TEST_KILL_HERE``
-names a file (the test sets it on one "node" of a multi-node run), after writing its rank there; ``slow`` sleeps, after each step, ``$ZBENCH_TEST_SLOWDOWN_PCT`` percent of the time
-the step took (a build that is that much slower, loaded machine or not).
+
+- ``unsynced`` forgets to average one parameter's gradient across ranks (a
+  classic hook bug: training goes on, quietly wrong);
+- ``crash`` raises on rank 1; ``oom`` asks for an impossible allocation;
+- ``hang`` leaves rank 1 asleep so rank 0 blocks in a collective;
+- ``sigkill`` kills rank 1 by a signal; ``abort_at_exit`` aborts rank 1 at
+  interpreter exit;
+- ``sigkill_marked`` kills, at step 3, every rank started where
+  ``$ZBENCH_TEST_KILL_HERE`` names a file (the test sets it on one "node" of a
+  multi-node run), after writing its rank there;
+- ``slow`` sleeps, after each step, ``$ZBENCH_TEST_SLOWDOWN_PCT`` percent of
+  the time the step took (a build that is that much slower, loaded machine or not).
 """
 
 from __future__ import annotations
