@@ -27,7 +27,9 @@ from zbench.run_info import Environment, RunInfo, SuiteInfo
 FAULTY = "tests.plugins.faulty:FAULTY"
 #: suites/stages.yaml shrunk to what a test can afford: the tiny model, 5 steps, fp32, and one case of each family
 #: (with the DDP reference and its twin); the full smoke and stages suites were compared by hand (closing note).
-SHRINK = ["--set", "models=[tiny]", "--set", "steps=5", "--set", "warmup_steps=1", "--set", "precisions=[fp32]"]
+#: The timeout is generous: the module runs four suites at once, on a machine that may be busy besides.
+SHRINK = ["--set", "models=[tiny]", "--set", "steps=5", "--set", "warmup_steps=1", "--set", "precisions=[fp32]",
+          "--set", "timeout_s=900"]  # fmt: skip
 FAMILIES = ["-k", "zero1", "-k", "zero3", "-k", "fsdp-s3", "-k", "fsdp1-s2", "-k", "deepspeed-s3"]
 KILL_SUITE = f"""
 name: kill-on-node-1
@@ -36,11 +38,22 @@ models: tiny
 world_sizes: 2
 steps: 6
 warmup_steps: 1
-timeout_s: 300
+timeout_s: 900
 implementations:
   - ddp
   - {{name: "{FAULTY}", options: {{fault: sigkill_marked}}}}
   - torch_zero
+"""
+
+SRUN_KILL_SUITE = f"""
+name: srun-kill
+device: cpu
+models: tiny
+world_sizes: 2
+steps: 6
+warmup_steps: 1
+timeout_s: 900
+implementations: [ddp, {{name: "{FAULTY}", options: {{fault: sigkill}}}}]
 """
 
 
@@ -111,8 +124,17 @@ def runs(tmp_path_factory):
         ],
         **fake_srun,
     )
+    (tmp / "kill.yaml").write_text(SRUN_KILL_SUITE)
+    srun_kill = start(
+        ["run", str(tmp / "kill.yaml"), "--launcher", "slurm", "--results", str(tmp / "srun-kill")], **fake_srun
+    )
     nodes = two_nodes(suite, tmp / "two", *SHRINK, *FAMILIES)
-    return {"one": (finish(single), tmp / "one"), "two": (nodes, tmp / "two"), "srun": (finish(srun), tmp / "srun")}
+    return {
+        "one": (finish(single), tmp / "one"),
+        "two": (nodes, tmp / "two"),
+        "srun": (finish(srun), tmp / "srun"),
+        "srun-kill": (finish(srun_kill), tmp / "srun-kill"),
+    }
 
 
 def _same_as_one_node(one: dict[str, dict], other: dict[str, dict]) -> None:
@@ -161,6 +183,16 @@ def test_srun_gives_the_single_node_numbers(runs):
     _same_as_one_node(records(one), records(srun_dir))
     (run,) = [p for p in srun_dir.iterdir() if (p / "run.json").exists()]
     assert not [p for p in run.iterdir() if p.name.startswith("zbench-")]  # the cases' shared directories are gone
+
+
+def test_srun_names_the_rank_killed_by_a_signal(runs):
+    result, results = runs["srun-kill"]
+    assert result.returncode == 1, result.stderr[-3000:]
+    got = {r["config"]["implementation"]: r for r in records(results).values() if not r["config"]["noise_twin"]}
+    assert got[FAULTY]["status"] == "error"
+    # the faulty engine kills rank 1; srun then stops rank 0 (also "Killed"), but said rank 1 first
+    assert got[FAULTY]["error"] == "rank 1 killed by signal SIGKILL without a result", got[FAULTY]["error"]
+    assert got["ddp"]["status"] == "ok"
 
 
 def test_a_rank_killed_on_node_1_fails_its_case_by_name_and_the_suite_goes_on(tmp_path):

@@ -14,6 +14,7 @@ from rich.text import Text
 
 import zbench
 from zbench.errors import UsageError
+from zbench.plan import DEFAULT_RESERVE
 from zbench.values import OFFLOAD_MODES, Precision
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ def run(
     suite = preflight.prepare(suite_file_, nnodes=how.nnodes if launcher == "slurm" else rdzv.nnodes)
     suite = dataclasses.replace(suite, cases=selection.select(suite.cases, patterns or []))
     if dry_run:
-        _print_dry_run(suite.cases)
+        _print_dry_run(suite.cases, rdzv.nnodes)
         return
     root = _results(None, results)
     result = (
@@ -249,12 +250,12 @@ def _run_on_nodes(suite: Suite, rdzv: Rendezvous, root: Path, resume: str | None
     return None
 
 
-def _print_dry_run(cases: tuple[Case, ...]) -> None:
-    from zbench.dry_run import RESERVE, describe
+def _print_dry_run(cases: tuple[Case, ...], nnodes: int) -> None:
+    from zbench.dry_run import describe
     from zbench.formatting import fmt_bytes
 
-    rows = describe(cases)
-    table = Table(title=f"{len(rows)} cases (memory per rank after {RESERVE:.0%} kept free; nothing was run)")
+    rows = describe(cases, nnodes)
+    table = Table(title=f"{len(rows)} cases (memory per rank after {DEFAULT_RESERVE:.0%} kept free; nothing was run)")
     for col in ("case", "would", "model states + working set", "memory per rank", "fits?"):
         table.add_column(col, justify="left" if col in ("case", "would") else "right")
     for r in rows:
@@ -434,7 +435,9 @@ def plan(
     precision: Annotated[
         Precision, typer.Option(help="bf16/fp16 (mixed: 2+2+12 bytes per parameter) or fp32 (4+4+8).")
     ] = DEFAULT_PRECISION,
-    reserve: Annotated[float, typer.Option(help="Share of each GPU kept free for activations and buffers.")] = 0.2,
+    reserve: Annotated[
+        float, typer.Option(help="Share of each GPU kept free for activations and buffers.")
+    ] = DEFAULT_RESERVE,
     trace: Annotated[
         bool,
         typer.Option(

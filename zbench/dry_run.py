@@ -15,10 +15,7 @@ from dataclasses import dataclass
 from zbench.aggregate import declared_layout
 from zbench.case import Case
 from zbench.model_source import model_info
-from zbench.plan import working_set_bytes
-
-#: Share of each rank's memory plan keeps free for activations and buffers (``zbench plan --reserve``).
-RESERVE = 0.2
+from zbench.plan import usable_bytes, working_set_bytes
 
 
 @dataclass(frozen=True)
@@ -36,18 +33,18 @@ class DryRow:
         return self.device_bytes <= self.capacity_bytes
 
 
-def memory_per_rank(device: str, world: int) -> float | None:
-    """Usable bytes per rank: the GPU's memory, or the host's shared by ``world`` ranks; after the reserve."""
+def memory_per_rank(device: str, ranks_here: int) -> float | None:
+    """Usable bytes per rank: the GPU's memory, or the host's shared by the ranks on it; after plan's reserve."""
     if device == "cuda":
         import torch
 
         total = float(torch.cuda.get_device_properties(0).total_memory)
     else:
         try:
-            total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / world
+            total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / ranks_here
         except (ValueError, OSError, AttributeError):  # not a POSIX host
             return None
-    return total * (1 - RESERVE)
+    return usable_bytes(total)
 
 
 def predicted_device_bytes(case: Case) -> float:
@@ -58,13 +55,13 @@ def predicted_device_bytes(case: Case) -> float:
     return states + work
 
 
-def describe(cases: tuple[Case, ...]) -> list[DryRow]:
-    """One row per case, in suite order."""
+def describe(cases: tuple[Case, ...], nnodes: int = 1) -> list[DryRow]:
+    """One row per case, in suite order; each case's ranks spread evenly over ``nnodes`` nodes like this one."""
     return [
         DryRow(
             case,
             None if case.skip_reason else predicted_device_bytes(case),
-            memory_per_rank(case.device, case.world_size),
+            memory_per_rank(case.device, max(1, case.world_size // nnodes)),
         )
         for case in cases
     ]

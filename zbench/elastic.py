@@ -131,9 +131,8 @@ def worker_command(files: CaseFiles, device: str) -> tuple[str, list[str]]:
 
 @dataclass
 class AgentRun:
-    """What the agent reported once it returned: the ranks it saw fail first (global rank -> exit code)."""
+    """What the agent reported once it returned: the ranks that ended non-zero (rank -> exit code), first first."""
 
-    done: bool = False
     failures: dict[int, int] = field(default_factory=dict)
     error: str | None = None
 
@@ -174,7 +173,8 @@ class LocalRanks:
         try:
             elastic_launch(self._config, entrypoint)(*args)
         except ChildFailedError as exc:
-            self.result.failures = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+            in_order = sorted(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+            self.result.failures = {rank: failure.exitcode for rank, failure in in_order}
         except RendezvousTimeoutError:
             self.result.error = (
                 f"rendezvous at {self.rdzv.endpoint} timed out after {self.rdzv.timeout_s:g} s: "
@@ -182,8 +182,6 @@ class LocalRanks:
             )
         except Exception as exc:  # a rendezvous or agent failure: the case fails, the suite goes on
             self.result.error = f"launcher: {type(exc).__name__}: {exc}"
-        finally:
-            self.result.done = True
 
     def running(self) -> bool:
         return self._thread.is_alive()

@@ -200,8 +200,9 @@ def _classify(
 ) -> Outcome:
     """ok, oom, timeout or error, and which rank to blame.
 
-    ``failures``: every rank that ended non-zero (global rank -> exit code), the
-    ones the agent stopped with SIGTERM after the first failure included.
+    ``failures``: every rank that ended non-zero (global rank -> exit code), in
+    the order the launcher saw them end, the ones the agent stopped with
+    SIGTERM after the first failure included.
 
     Note: a rank that raised writes an error file; a rank killed by a signal
     writes none, and its peers may have failed in their next collective and
@@ -222,7 +223,7 @@ def _classify(
     errors = [e for _, e in sorted(timed_errors, key=lambda pair: pair[0])]
     error_ranks = {e.rank for e in errors}
     died = _died_on_their_own(failures)
-    signalled = [r for r, c in sorted(died.items()) if c < 0 and r not in error_ranks | finished]
+    signalled = [r for r, c in died.items() if c < 0 and r not in error_ranks | finished]  # in the order seen
     failing_rank = errors[0].rank if errors else min(died, default=0)
     tail = _tail(files.log(failing_rank)) if errors and not signalled else _all_tails(files, case.world_size)
     outcome = Outcome(status="ok", ranks=ranks, exit_codes=codes, wall_s=wall_s, stderr_tail=tail)

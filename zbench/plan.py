@@ -46,6 +46,15 @@ def working_set_bytes(cfg: GPTConfig | None, precision: str) -> float:
     return 3 * unit * low
 
 
+#: Share of each rank's memory kept free for activations and buffers, which the plan does not model.
+DEFAULT_RESERVE = 0.2
+
+
+def usable_bytes(memory_bytes: float, reserve: float = DEFAULT_RESERVE) -> float:
+    """What the model states and the stage-3 working set may take of a rank's memory."""
+    return memory_bytes * (1 - reserve)
+
+
 def plan(
     *,
     params: int,
@@ -53,7 +62,7 @@ def plan(
     precision: str = "bf16",
     gpu_memory_bytes: float | None = None,
     gpus_per_node: int | None = None,
-    reserve: float = 0.2,
+    reserve: float = DEFAULT_RESERVE,
     cfg: GPTConfig | None = None,
     optimizer: str = "adamw",
 ) -> list[PlanRow]:
@@ -70,7 +79,7 @@ def plan(
             loc = {where: sum(c[where] for c in place.values()) for where in ("device", "host", "disk")}
             work = working_set_bytes(cfg, precision) if stage == 3 else 0.0
             device = loc["device"] + work
-            fits = None if gpu_memory_bytes is None else device <= gpu_memory_bytes * (1 - reserve)
+            fits = None if gpu_memory_bytes is None else device <= usable_bytes(gpu_memory_bytes, reserve)
             rows.append(
                 PlanRow(
                     stage, offload, device, loc["host"], loc["host"] * per_node, loc["disk"], loc["device"], work, fits

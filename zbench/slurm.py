@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import shutil
 import signal
 import socket
@@ -88,9 +89,9 @@ class SrunStep:
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=self.timeout_s),
         )
-        proc = subprocess.Popen(
-            self.command(store.port), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        srun_log = self.files.workdir / "srun.log"
+        with open(srun_log, "wb") as log:
+            proc = subprocess.Popen(self.command(store.port), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         self.pids = [proc.pid]
         start, timed_out = time.monotonic(), False
         try:
@@ -110,20 +111,43 @@ class SrunStep:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-        stderr = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
         if proc.returncode and not timed_out:
-            self.failures = self._ranks_without_files(proc.returncode)
+            said = srun_log.read_text(errors="replace")
+            self.failures = task_failures(said) or self._ranks_without_files(proc.returncode)
             if not self.failures:
-                self.error = f"srun exited with code {proc.returncode}: {stderr.strip()[-500:]}"
+                self.error = f"srun exited with code {proc.returncode}: {said.strip()[-500:]}"
         return timed_out
 
     def _ranks_without_files(self, code: int) -> dict[int, int]:
-        """srun reports one exit code for the step: it is blamed on the ranks that left no result and no error."""
+        """When srun named no task: its one exit code, blamed on the ranks that left no result and no error."""
         silent = [
             r for r in range(self.world_size) if not self.files.result(r).exists() and not self.files.error(r).exists()
         ]
         errored = [r for r in range(self.world_size) if self.files.error(r).exists()]
         return {r: _as_exit(code) for r in (silent or errored)}
+
+
+#: srun's words for a task killed by a signal (``strsignal``: "Killed", "Aborted", ...), to the signal.
+_SIGNAL_BY_NAME = {signal.strsignal(s): s for s in signal.Signals if signal.strsignal(s)}
+_TASK_LINE = re.compile(r"task (\d+): (?:Exited with exit code (\d+)|(.+))$")
+
+
+def task_failures(srun_output: str) -> dict[int, int]:
+    """Each task srun says ended badly (``srun: error: node1: task 1: Killed``), in the order it said them.
+
+    Note: srun prints one such line per failed task, the first failure first; "Exited with exit code N" for a
+    task that exited, the signal's description for one that was killed.
+    """
+    failures: dict[int, int] = {}
+    for line in srun_output.splitlines():
+        found = _TASK_LINE.search(line.strip())
+        if not found or int(found[1]) in failures:
+            continue
+        if found[2] is not None:
+            failures[int(found[1])] = int(found[2])
+        elif found[3] in _SIGNAL_BY_NAME:
+            failures[int(found[1])] = -_SIGNAL_BY_NAME[found[3]]
+    return failures
 
 
 def _as_exit(code: int) -> int:
