@@ -126,7 +126,17 @@ def runs(tmp_path_factory):
     )
     (tmp / "kill.yaml").write_text(SRUN_KILL_SUITE)
     srun_kill = start(
-        ["run", str(tmp / "kill.yaml"), "--launcher", "slurm", "--results", str(tmp / "srun-kill")], **fake_srun
+        [
+            "run",
+            str(tmp / "kill.yaml"),
+            "--launcher",
+            "slurm",
+            "--results",
+            str(tmp / "srun-kill"),
+            "--report",
+            str(tmp / "srun-kill-report"),
+        ],
+        **fake_srun,
     )
     nodes = two_nodes(suite, tmp / "two", *SHRINK, *FAMILIES)
     return {
