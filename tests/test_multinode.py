@@ -273,3 +273,35 @@ def test_fingerprint_of_one_node_is_unchanged_by_the_nodes_field():
     two = one.model_copy(update={"nodes": [env, env.model_copy(update={"host": "b"})]})
     swapped = one.model_copy(update={"nodes": [env.model_copy(update={"host": "b"}), env]})
     assert len({machine_fingerprint(one), machine_fingerprint(two), machine_fingerprint(swapped)}) == 3
+
+
+def test_files_larger_than_a_store_message_reach_node_0_whole(tmp_path):
+    """The final parameters of the 41M-parameter model are 164 MB; the store refuses one message over 8 MiB."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from zbench.elastic import Rendezvous
+    from zbench.handoff import CaseFiles
+    from zbench.nodes import CHUNK_BYTES, NodeGroup, NodeReport
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    rdzv = Rendezvous(endpoint=f"127.0.0.1:{server.port}", nnodes=2)
+    leader, follower = NodeGroup(rdzv, server, []), NodeGroup(rdzv, client, [])
+    params = tmp_path / "sent" / "params.pt"
+    params.parent.mkdir()
+    payload = os.urandom(5 * CHUNK_BYTES + 12345)  # 20 MiB and a ragged end
+    params.write_bytes(payload)
+    os.utime(params, ns=(1_000_000_000, 1_000_000_000))
+    key = "zbench/case/1/from/1"
+    report = NodeReport(node_rank=1, failures={1: -9}, files=[follower._send(params, f"{key}/file0")])
+    client.set(key, report.model_dump_json())
+    leader._seq = 1  # as if node 0 had announced case 1
+    received = CaseFiles(tmp_path / "received")
+    received.workdir.mkdir()
+    merged = leader.collect(received, timeout_s=5)
+    assert received.params.read_bytes() == payload
+    assert received.params.stat().st_mtime_ns == 1_000_000_000  # the error files' order rests on their times
+    assert merged.failures == {1: -9}
+    assert not server.check([f"{key}/file0/0"])  # node 0 took the pieces out of the store

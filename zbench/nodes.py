@@ -13,7 +13,6 @@ of results and reports; a follower keeps nothing.
 
 from __future__ import annotations
 
-import base64
 import datetime
 import os
 import tempfile
@@ -35,6 +34,9 @@ WAIT_SLICE_S = 30.0
 REPORT_GRACE_S = 60.0
 #: The end of a log a follower sends back: the report needs the tail, never the whole of a chatty rank's output.
 LOG_BYTES_SENT = 64 * 1024
+#: Files cross the store in pieces this large: its server refuses a message over 8 MiB, and the final parameters
+#: of even the 41M-parameter model are 164 MB.
+CHUNK_BYTES = 4 * 2**20
 _DONE = "done"
 
 
@@ -47,8 +49,10 @@ class NodeHello(BaseModel):
 
 
 class SentFile(BaseModel):
+    """A file a follower put into the store, in ``chunks`` pieces under the report's key."""
+
     name: str
-    data_b64: str
+    chunks: int
     mtime_ns: int
 
 
@@ -161,9 +165,12 @@ class NodeGroup:
             merged.timed_out = merged.timed_out or report.timed_out
             if report.error:
                 merged.errors.append(f"node {node}: {report.error}")
-            for sent in report.files:
+            for index, sent in enumerate(report.files):
                 path = files.workdir / Path(sent.name).name
-                path.write_bytes(base64.b64decode(sent.data_b64))
+                with open(path, "wb") as out:
+                    for chunk in range(sent.chunks):
+                        out.write(self.store.get(f"{key}/file{index}/{chunk}"))
+                        self.store.delete_key(f"{key}/file{index}/{chunk}")
                 os.utime(path, ns=(sent.mtime_ns, sent.mtime_ns))
         return merged
 
@@ -190,8 +197,12 @@ class NodeGroup:
             run_id, task_json = message.split("\n", 1)
             task = WorkerTask.model_validate_json(task_json)
             on_case(task, "started")
-            report = self._run_local(task, run_id)
-            self.store.set(f"zbench/case/{seq}/from/{self.rendezvous.node_rank}", report.model_dump_json())
+            key = f"zbench/case/{seq}/from/{self.rendezvous.node_rank}"
+            try:
+                report = self._run_local(task, run_id, key)
+                self.store.set(key, report.model_dump_json())  # last: node 0 reads the files once it sees this
+            except RuntimeError as exc:  # the store's connection: node 0 is gone
+                raise UsageError(f"lost node 0 at {self.rendezvous.endpoint}: {_first_line(exc)}") from None
             on_case(task, "failed" if report.failures or report.error or report.timed_out else "done")
 
     def _next(self, seq: int) -> str:
@@ -207,7 +218,8 @@ class NodeGroup:
                     continue
                 raise UsageError(f"lost node 0 at {self.rendezvous.endpoint}: {_first_line(exc)}") from None
 
-    def _run_local(self, task: WorkerTask, run_id: str) -> NodeReport:
+    def _run_local(self, task: WorkerTask, run_id: str, key: str) -> NodeReport:
+        """Run this node's ranks of the case and put their files into the store under ``key``; the report."""
         from zbench.launch import watch
 
         case = task.case
@@ -226,19 +238,25 @@ class NodeGroup:
                 pids=ranks.pids,
                 timed_out=timed_out,
                 error=ranks.result.error,
-                files=[_send(path) for path in sorted(Path(tmp).iterdir()) if _worth_sending(path, files)],
+                files=[
+                    self._send(path, f"{key}/file{index}")
+                    for index, path in enumerate(p for p in sorted(Path(tmp).iterdir()) if _worth_sending(p, files))
+                ],
             )
+
+    def _send(self, path: Path, key: str) -> SentFile:
+        data = path.read_bytes()
+        if path.suffix == ".log":
+            data = data[-LOG_BYTES_SENT:]
+        chunks = max(1, -(-len(data) // CHUNK_BYTES))
+        for chunk in range(chunks):
+            piece = data[chunk * CHUNK_BYTES : (chunk + 1) * CHUNK_BYTES]
+            self.store.set(f"{key}/{chunk}", piece)  # type: ignore[arg-type]  # the stub says str; bytes pass as is
+        return SentFile(name=path.name, chunks=chunks, mtime_ns=path.stat().st_mtime_ns)
 
 
 def _worth_sending(path: Path, files: CaseFiles) -> bool:
     return path.is_file() and path != files.task and (path.name.startswith("rank") or path == files.params)
-
-
-def _send(path: Path) -> SentFile:
-    data = path.read_bytes()
-    if path.suffix == ".log":
-        data = data[-LOG_BYTES_SENT:]
-    return SentFile(name=path.name, data_b64=base64.b64encode(data).decode(), mtime_ns=path.stat().st_mtime_ns)
 
 
 def _first_line(exc: BaseException) -> str:
