@@ -43,25 +43,14 @@ def zbench(*args: str, cwd: Path = ROOT, timeout: float = 600) -> CLIResult:
 
 
 def zbench_many(arg_lists: list[list[str]], cwd: Path = ROOT, timeout: float = 300) -> list[CLIResult]:
-    """Run several CLI invocations concurrently (each pays torch's import once; together they overlap)."""
-    env = child_env(COLUMNS="200")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "zbench", *args],
-            cwd=cwd,
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-        )
-        for args in arg_lists
-    ]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=timeout)
-        out.append(CLIResult(p.returncode, stdout, stderr))
-    return out
+    """Run several CLI invocations, a few at a time (each pays torch's import; a few overlap it well on any
+    machine). All at once, seventy torch imports fought over two cores and memory, and on a loaded machine the
+    later ones ran past their timeouts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    at_once = max(4, os.cpu_count() or 4)
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        return list(pool.map(lambda args: zbench(*args, cwd=cwd, timeout=timeout), arg_lists))
 
 
 def launch_rank_scripts(script: str, worlds: tuple[int, ...], base: Path, *, label: str) -> dict[int, dict[int, dict]]:

@@ -86,6 +86,16 @@ CASES = [
     ("nvme-dir-a-file", NVME + "nvme_dir: /dev/null\n", [], "not a directory"),
     ("nvme-dir-not-writable", NVME + "nvme_dir: /proc\n", [], "not writable"),
     ("nvme-dir-too-small", NVME.replace("[tiny]", "[gpt-70b]") + "nvme_dir: /tmp\n", [], "GiB free"),
+    ("profile-step-past-the-end", GOOD + "steps: 6\nprofile: {steps: [6]}\n", [], "profile.steps [6] outside"),
+    ("profile-step-negative", GOOD + "profile: {steps: [-1]}\n", [], "profile.steps.0: input should be greater"),
+    ("profile-no-steps", GOOD + "profile: {steps: []}\n", [], "profile.steps: list should have at least 1"),
+    ("profile-unknown-key", GOOD + "profile: {steps: [5], every: 2}\n", [], "unknown key 'profile.every'"),
+    (
+        "profile-every-timed-step",
+        GOOD + "steps: 4\nwarmup_steps: 2\nprofile: {steps: [2, 3]}\n",
+        [],
+        "leave no step to time",
+    ),
 ]
 
 

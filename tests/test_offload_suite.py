@@ -106,6 +106,7 @@ def test_nvme_files_are_removed_when_each_case_ends(offload_run):
 
 def test_report_shows_predicted_next_to_measured_by_location(offload_run):
     _, _, _, tmp = offload_run
-    html = (Path(tmp) / "report" / "index.html").read_text()
-    assert "by category and location (measured / predicted: ZeRO formulas)" in html
-    assert "total (error)" in html
+    pages = [p.read_text() for p in (Path(tmp) / "report" / "cases").glob("*zero3*nvme*.html")]
+    assert pages, "no case page for the NVMe case"
+    assert "by category and location (measured / predicted: ZeRO formulas)" in pages[0]
+    assert "total (error)" in pages[0]

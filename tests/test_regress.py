@@ -240,6 +240,9 @@ def test_environment_differences_are_shown_with_the_verdict(tmp_path):
     result = check(paired_run(tmp_path, "b", rng, torch="2.13.0", load_average_1m=3.5), [base], T)
     assert result.environment_changes == {"torch": ("2.12.0", "2.13.0"), "load_average_1m": (0.2, 3.5)}
     assert "torch 2.12.0 -> 2.13.0; load_average_1m 0.2 -> 3.5" in check_mod.markdown(result)
+    newer_driver = paired_run(tmp_path, "c", rng, nvml={"available": True, "driver": "580.65"})
+    older = paired_run(tmp_path, "d", rng, nvml={"available": True, "driver": "575.57"})
+    assert check(newer_driver, [older], T).environment_changes["driver"] == ("575.57", "580.65")
 
 
 def test_check_finds_memory_growth_equivalence_and_status_failures(tmp_path):

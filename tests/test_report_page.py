@@ -71,7 +71,8 @@ def test_the_chart_library_is_a_file_beside_the_page_written_once(tmp_path):
     assert first.returncode == 0, first.stderr
     (library,) = (tmp_path / "rep").glob("plotly-*.min.js")
     page = (tmp_path / "rep" / "index.html").read_text()
-    assert f'<script src="{library.name}"></script>' in page and "Plotly.newPlot" in page
+    assert f'<script src="{library.name}"></script>' in page and 'class="chart-spec"' in page
+    assert "Plotly.newPlot" in (tmp_path / "rep" / "zbench-report.js").read_text()  # draws the specs
     assert len(page) < 200_000 < library.stat().st_size  # the page holds the charts, not the 4.6 MB library
     written = library.stat().st_mtime_ns
     again = zbench("report", str(tmp_path / "results"), "--report", str(tmp_path / "rep"))

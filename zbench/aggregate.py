@@ -81,12 +81,13 @@ def measured(record: CaseRecord, ranks: list[RankResult]) -> CaseRecord:
             loss=sum(r.losses[i] for r in ranks) / len(ranks),
             step_time_s=max(r.step_times_s[i] for r in ranks),
             warmup=i < case.warmup_steps,
+            profiled=i in case.profile_steps,
             **ranks[0].phases[i].model_dump(),
             metrics=ranks[0].metrics[i],
         )
         for i in range(case.steps)
     ]
-    stats = summarize([s.step_time_s for s in steps if not s.warmup])
+    stats = summarize([s.step_time_s for s in steps if s.timed])
     median = stats["median"]
     tokens = case.tokens_per_step
     params = ranks[0].parameters
@@ -178,7 +179,7 @@ def comm_summary(case: Case, ranks: list[RankResult], params: int) -> CommSummar
 
 def phase_summary(steps: list[StepSample], clock: str) -> PhaseSummary:
     """Median forward / backward / optimizer seconds over the timed steps (rank 0, see zbench.measure.phases)."""
-    timed = [s for s in steps if not s.warmup]
+    timed = [s for s in steps if s.timed]
 
     def median(values: list[float | None]) -> float | None:
         present = [v for v in values if v is not None]

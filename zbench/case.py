@@ -67,6 +67,9 @@ class Case(BaseModel):
     (``zbench.paired``): the regression gate's samples. Not part of what is trained or compared."""
     paired_seconds: float = 0.0
     """...and more rounds until this long has passed: the gate's power on a noisy machine."""
+    profile_steps: list[int] = Field(default_factory=list)
+    """Steps every rank records a torch.profiler trace of (the suite's ``profile.steps``), left out of the step-time
+    statistics. Not part of what is trained or compared."""
     skip_reason: str | None = None
     not_applied: list[str] = Field(default_factory=list)
     """Settings of the suite's DeepSpeed config this implementation does not apply (``zbench.deepspeed_config``)."""

@@ -4,7 +4,9 @@ The launcher writes ``case.json`` (a ``WorkerTask``) and starts every rank as
 ``python -m zbench.worker WORKDIR``. Each rank writes ``rank<R>.json`` (a
 ``RankResult``) or ``rank<R>.error.json`` (a ``RankError``) and its output to
 ``rank<R>.log``; rank 0 also writes ``params.pt`` (the final parameters) and
-``progress`` (the step it is on). Every file is written atomically.
+``progress`` (the step it is on). With the suite's ``profile`` key each rank
+also writes ``profile-rank<R>.json`` (a Chrome trace of the profiled steps).
+Every file is written atomically.
 """
 
 from __future__ import annotations
@@ -96,6 +98,13 @@ class CaseFiles:
 
     def log(self, rank: int) -> Path:
         return self.workdir / f"rank{rank}.log"
+
+    def profile(self, rank: int) -> Path:
+        return self.workdir / f"profile-rank{rank}.json"
+
+    def profiles(self, world: int) -> list[Path]:
+        """The ranks' profiler traces that are present (a rank that failed before writing its own has none)."""
+        return [path for path in map(self.profile, range(world)) if path.exists()]
 
     def read_progress(self) -> str | None:
         try:

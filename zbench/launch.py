@@ -42,6 +42,8 @@ class Outcome:
     exit_codes: list[int | None] = field(default_factory=list)
     wall_s: float = 0.0
     params_path: Path | None = None
+    profile_paths: list[Path] = field(default_factory=list)
+    """The ranks' profiler traces (``CaseFiles.profile``), whatever the status: a failed case's may show why."""
     pids: list[int] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -259,4 +261,5 @@ def _classify(
         outcome.error = f"rank {missing} {_describe_exit(codes[missing])} without a result"
     if outcome.status == "ok" and files.params.exists():
         outcome.params_path = files.params
+    outcome.profile_paths = files.profiles(case.world_size)
     return outcome

@@ -5,10 +5,10 @@ Note: every node runs ``zbench run SUITE --nnodes N --node-rank R
 the endpoint for the whole run; the elastic agent's c10d rendezvous for
 each case shares it (a multi-tenant store in the same process), under its
 own per-case prefix. Over the same store node 0 hands each case to the
-others, and they send back their ranks' files (results, errors, logs, the
-final parameters when global rank 0 ran there), so node 0 classifies and
-stores the case as if every rank had run on it. Node 0 is the only writer
-of results and reports; a follower keeps nothing.
+others, and they send back their ranks' files (results, errors, logs,
+profiler traces, the final parameters when global rank 0 ran there), so
+node 0 classifies and stores the case as if every rank had run on it. Node 0
+is the only writer of results and reports; a follower keeps nothing.
 """
 
 from __future__ import annotations
@@ -256,7 +256,8 @@ class NodeGroup:
 
 
 def _worth_sending(path: Path, files: CaseFiles) -> bool:
-    return path.is_file() and path != files.task and (path.name.startswith("rank") or path == files.params)
+    ranks_own = path.name.startswith(("rank", "profile-rank"))  # CaseFiles' result, error, log and profile
+    return path.is_file() and path != files.task and (ranks_own or path == files.params)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -200,6 +200,7 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
                 keep_params=config.keep_params,
                 paired_rounds=config.paired_rounds,
                 paired_seconds=config.paired_seconds,
+                profile_steps=config.profile.steps if config.profile else [],
                 activation_checkpointing=checkpointing,
                 capabilities=caps,
             )

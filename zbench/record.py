@@ -51,10 +51,17 @@ class StepSample(PhaseTimes):
     warmup: bool
     metrics: dict[str, float] = Field(default_factory=dict)
     """What the engine reported after the step (e.g. ``loss_scale``)."""
+    profiled: bool = False
+    """Ran under torch.profiler (the suite's ``profile.steps``): its time carries the profiler's overhead."""
+
+    @property
+    def timed(self) -> bool:
+        """Counts in the step-time statistics: neither a warm-up step nor a profiled one."""
+        return not self.warmup and not self.profiled
 
 
 class StepTimeSummary(_Part):
-    """Statistics of the timed (post-warm-up) steps."""
+    """Statistics of the timed steps (``StepSample.timed``: after warm-up, not profiled)."""
 
     step_time_median_s: float | None = None
     step_time_iqr_s: float | None = None
@@ -310,6 +317,9 @@ class CaseRecord(_Part):
     """Final parameters (relative to the run directory) while they are kept; see ``Case.keep_params``."""
     param_checksums: list[str] = Field(default_factory=list)
     """Each rank's hash of its final full parameters (they must all agree)."""
+    profile_traces: list[str] = Field(default_factory=list)
+    """The ranks' torch.profiler Chrome traces of the suite's ``profile.steps``, relative to the run directory
+    (``profiles/<case-id>/profile-rank<R>.json``), rank order; one per rank that wrote one."""
 
     @property
     def case_id(self) -> str:
@@ -341,8 +351,8 @@ class CaseRecord(_Part):
         return None if self.model_state is None else self.model_state.measured_total
 
     def timed_step_times(self) -> list[float]:
-        """Every post-warm-up step time: the samples the regression gate tests."""
-        return [s.step_time_s for s in self.steps if not s.warmup]
+        """Every timed step's time (after warm-up, not profiled): the samples the regression gate tests."""
+        return [s.step_time_s for s in self.steps if s.timed]
 
     def losses(self) -> list[float]:
         return [s.loss for s in self.steps]

@@ -316,6 +316,8 @@ def environment_changes(base: RunInfo, cand: RunInfo) -> dict[str, tuple[object,
         for name in ENVIRONMENT_FIELDS
         if getattr(a, name) != getattr(b, name)
     }
+    if a.nvml.get("driver") != b.nvml.get("driver"):  # the GPU driver, as nvml read it (absent on CPU)
+        changes["driver"] = (a.nvml.get("driver"), b.nvml.get("driver"))
     if a.load_average_1m is not None and b.load_average_1m is not None:
         changes["load_average_1m"] = (round(a.load_average_1m, 2), round(b.load_average_1m, 2))
     return changes

@@ -228,6 +228,7 @@ def _run_one(
             if outcome.params_path is not None:
                 move_into_place(outcome.params_path, run.params_path(case.case_id))
                 record.params_file = str(run.params_path(case.case_id).relative_to(run.path))
+            record.profile_traces = _keep_profiles(outcome.profile_paths, run, case)
     except UsageError as exc:  # the NVMe directory went away or filled up since the suite was checked
         return failed_record(case, str(exc), started_at=started_at, ended_at=now())
     if record.ok:
@@ -238,6 +239,17 @@ def _run_one(
         (run.path / record.params_file).unlink(missing_ok=True)
         record.params_file = None
     return record
+
+
+def _keep_profiles(traces: list[Path], run: RunDir, case: Case) -> list[str]:
+    """Move the ranks' profiler traces out of the case's work directory (deleted next) into the run; their paths,
+    relative to the run directory."""
+    kept = []
+    for trace in traces:
+        target = run.profile_path(case.case_id, trace.name)
+        move_into_place(trace, target)
+        kept.append(str(target.relative_to(run.path)))
+    return kept
 
 
 def _compare_with_reference(

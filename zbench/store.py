@@ -5,6 +5,7 @@ Layout::
     results/<run-id>/run.json              RunInfo: environment, suite, start/end
     results/<run-id>/cases/<case-id>.json  CaseRecord: one per case, written atomically when it ends
     results/<run-id>/params/<case-id>.pt   final parameters, while the equivalence check needs them
+    results/<run-id>/profiles/<case-id>/profile-rank<R>.json   torch.profiler traces (the suite's ``profile``)
 
 Every JSON file carries ``schema_version``; older files are upgraded as they
 are read (``zbench.record.migrate``). Files are written to a temporary name in
@@ -18,6 +19,7 @@ import datetime
 import os
 import secrets
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -64,8 +66,16 @@ class RunDir:
     def info_path(self) -> Path:
         return self.path / "run.json"
 
+    @property
+    def profiles_dir(self) -> Path:
+        return self.path / "profiles"
+
     def params_path(self, case_id: str) -> Path:
         return self.params_dir / f"{case_id}.pt"
+
+    def profile_path(self, case_id: str, name: str) -> Path:
+        """Where a case's trace file ``name`` (``profile-rank<R>.json``) is kept."""
+        return self.profiles_dir / case_id / name
 
     def case_path(self, case_id: str) -> Path:
         return self.cases_dir / f"{case_id}.json"
@@ -77,7 +87,11 @@ class RunDir:
         """Create the run (or, resuming, keep its header) and drop files a killed harness left half-written."""
         self.cases_dir.mkdir(parents=True, exist_ok=True)
         self.params_dir.mkdir(parents=True, exist_ok=True)
-        for stale in [*self.cases_dir.glob(".*.tmp"), *self.params_dir.glob(".*.tmp")]:
+        for stale in [
+            *self.cases_dir.glob(".*.tmp"),
+            *self.params_dir.glob(".*.tmp"),
+            *self.profiles_dir.glob("*/.*.tmp"),
+        ]:
             stale.unlink()
         if not self.exists():
             self.write_info(info.model_copy(update={"started_at": now()}))
@@ -100,10 +114,34 @@ class RunDir:
         )
 
     def cases(self) -> list[CaseRecord]:
+        if _read_once is not None:
+            key = (self.cases_dir.resolve(), self.cases_dir.stat().st_mtime_ns if self.cases_dir.is_dir() else 0)
+            if key not in _read_once:
+                _read_once[key] = self._read_cases()
+            return list(_read_once[key])
+        return self._read_cases()
+
+    def _read_cases(self) -> list[CaseRecord]:
         return [_read(CaseRecord.read, p) for p in sorted(self.cases_dir.glob("*.json"))]
 
     def stored_case_ids(self) -> set[str]:
         return {p.stem for p in self.cases_dir.glob("*.json")}
+
+
+_read_once: dict[tuple[Path, int], list[CaseRecord]] | None = None
+
+
+@contextmanager
+def cases_read_once() -> Iterator[None]:
+    """Within the block, each run's records are read from disk once (while its ``cases/`` is unchanged) and the
+    same objects handed to every reader: rendering reads each run three times over (the pages, the baseline
+    check, the trends), a third of a 500-case report's time. Readers inside must not modify the records."""
+    global _read_once
+    outer, _read_once = _read_once, _read_once if _read_once is not None else {}
+    try:
+        yield
+    finally:
+        _read_once = outer
 
 
 def _read(reader: Callable[[Path], T], path: Path) -> T:

@@ -79,6 +79,19 @@ class RegressionConfig(_Frozen):
     spread_factor: float = Field(2.0, ge=0)
 
 
+class ProfileConfig(_Frozen):
+    """Training steps to record a torch.profiler trace of, on every rank (``zbench.measure.profile``)."""
+
+    steps: Annotated[list[Annotated[int, Field(ge=0)]], BeforeValidator(_as_list)] = Field(min_length=1)
+    """Step numbers as the record counts them (from 0); these steps are left out of the step-time statistics."""
+
+    @field_validator("steps")
+    @classmethod
+    def _sorted(cls, steps: list[int]) -> list[int]:
+        """Order and repeats mean nothing: a step is profiled or not."""
+        return sorted(set(steps))
+
+
 class ImplementationEntry(_Frozen):
     """An implementation with settings: ``{name: zero3, options: {prefetch: 2}}``."""
 
@@ -181,6 +194,9 @@ class SuiteConfig(_Frozen):
     noise_twin: bool = True
     """Run each DDP reference twice, the second time with its batch split another way, to measure the noise floor
     the equivalence bounds scale with (docs/methods.md#equivalence); off: fixed bounds."""
+    profile: ProfileConfig | None = None
+    """Record a Chrome trace of these steps on every rank (``profile: {steps: [5, 6]}``); the profiler slows them,
+    so they are left out of the step-time statistics."""
 
     @field_validator("models")
     @classmethod
@@ -194,11 +210,25 @@ class SuiteConfig(_Frozen):
     def _consistent(self) -> SuiteConfig:
         if self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be less than steps ({self.steps})")
+        if self.profile is not None:
+            self._check_profiled_steps(self.profile.steps)
         if self.seq_len is not None:
             for m in (m for m in self.models if m in PRESETS):  # a builder's model: checked by the preflight
                 if self.seq_len > PRESETS[m].seq:
                     raise ValueError(f"seq_len {self.seq_len} exceeds model {m!r}'s context {PRESETS[m].seq}")
         return self
+
+    def _check_profiled_steps(self, profiled: list[int]) -> None:
+        """Every profiled step is one the suite runs, and at least one timed step is left unprofiled."""
+        outside = [s for s in profiled if s >= self.steps]
+        if outside:
+            raise ValueError(
+                f"profile.steps {outside} outside the suite's steps 0..{self.steps - 1} (steps count from 0)"
+            )
+        if set(range(self.warmup_steps, self.steps)) <= set(profiled):
+            raise ValueError(
+                f"profile.steps {profiled} leave no step to time after the {self.warmup_steps} warm-up steps"
+            )
 
 
 @dataclass(frozen=True)
@@ -234,6 +264,8 @@ def _allowed_keys(loc: tuple) -> list[str]:
         model = RegressionConfig
     elif loc and loc[0] == "implementations":
         model = ImplementationEntry
+    elif loc and loc[0] == "profile":
+        model = ProfileConfig
     return list(model.model_fields)
 
 

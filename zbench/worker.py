@@ -35,6 +35,7 @@ from zbench.measure.bandwidth import probe_bus_bandwidth
 from zbench.measure.memory import peak_memory, reset_peak
 from zbench.measure.nvml import NvmlSampler
 from zbench.measure.phases import PhaseClock, clock_name
+from zbench.measure.profile import StepProfiler
 from zbench.measure.timing import timed
 from zbench.model_source import ModelInfo, build, model_info
 from zbench.models import checkpoint_blocks, rank_micro_batches, synthetic_batch
@@ -106,6 +107,7 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
     phases: list[PhaseTimes] = []
     bandwidth = probe_bus_bandwidth(device)
     clock = PhaseClock(model, device).attach()
+    profiler = StepProfiler(case.profile_steps, device, files.profile(rank))
     sampler = NvmlSampler(nvml_index(device)).start() if device.type == "cuda" else None
     reset_peak(device)
     try:
@@ -117,9 +119,10 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
             comms.take()  # drop set-up traffic (DDP's initial broadcast, the bandwidth probe, ...)
             if sampler is not None and step == case.warmup_steps:
                 sampler.mark()
-            loss, seconds = timed(
-                partial(clock.run, partial(engine.step, micro_batches)), device=device, barrier=dist.barrier
-            )
+            with profiler.step(step):
+                loss, seconds = timed(
+                    partial(clock.run, partial(engine.step, micro_batches)), device=device, barrier=dist.barrier
+                )
             comm_steps.append([CollectiveEntry(**e) for e in comms.take()])
             phases.append(PhaseTimes(**clock.read()))
             losses.append(float(loss))
@@ -129,6 +132,7 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
                 files.progress.write_text(f"{step + 1}/{case.steps}")
         clock.detach()
         memory = peak_memory(device)  # before the final gather below, which is not training
+        profiler.write()
         nvml = sampler.stop() if sampler else {"available": False, "reason": "CPU run"}
         state = engine.state_bytes()
         params = engine.full_parameters()
