@@ -77,3 +77,31 @@ def test_the_chart_library_is_a_file_beside_the_page_written_once(tmp_path):
     written = library.stat().st_mtime_ns
     again = zbench("report", str(tmp_path / "results"), "--report", str(tmp_path / "rep"))
     assert again.returncode == 0 and library.stat().st_mtime_ns == written  # this version is there already
+
+
+def test_the_matrix_marks_the_fastest_and_leanest_that_train_like_ddp_by_paired_ratio():
+    """Planted: a faster setup that diverged, one that ran out of memory, and one whose absolute step time looks
+    best only because the machine sped up while it ran (its paired ratio says it is slower than DDP)."""
+    from zbench.report.matrix import build
+
+    def setup(implementation: str, stage: int, *, step_s: float, ratio: float, mib: int, **changes: object):
+        r = record(implementation=implementation, stage=stage)
+        return r.model_copy(
+            update={
+                "summary": r.summary.model_copy(update={"step_time_median_s": step_s}),
+                "ratio_to_ddp": ratio,
+                "memory": MemorySummary(kind="rss", peak_bytes=mib * 2**20),
+                **changes,
+            }
+        )
+
+    ddp = setup("ddp", 0, step_s=0.10, ratio=1.0, mib=900)
+    drifted = setup("zero1", 1, step_s=0.05, ratio=1.3, mib=800)  # measured while the machine ran fast
+    quick = setup("zero2", 2, step_s=0.09, ratio=0.95, mib=700)
+    diverged = setup("zero3", 3, step_s=0.01, ratio=0.5, mib=100, equivalence=Equivalence(equivalent=False))
+    oom = setup("torch_zero", 1, step_s=0.01, ratio=0.5, mib=50, status="oom")
+    (row,) = build([ddp, drifted, quick, diverged, oom]).rows
+    assert (row.fastest, row.leanest) == (quick.case_id, quick.case_id)
+    assert len(row.cells) == 5
+    unpaired = [r.model_copy(update={"ratio_to_ddp": None}) for r in (ddp, drifted, quick)]
+    assert build(unpaired).rows[0].fastest == drifted.case_id  # no ratios: the step time is all there is
