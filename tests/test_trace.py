@@ -11,8 +11,10 @@ size (rank 0):
   without it ZeRO-2/3 free a bucket when a poll finds it done, and the real peak moves with gloo's
   threads); FSDP2 calls ``reduce_scatter_single`` itself, and gloo runs it through a scratch of the
   input's size that surfaces on the calling thread, which the fake group mirroring gloo makes too;
-- Python's cycle collector runs between steps and not during one (``cycles_collected_between_steps``): where
-  it ran mid-step moved FSDP2's real peak by up to 7% with the allocations made before;
+- FSDP2 at ``small`` is the one case whose real peak still moves from run to run on that schedule (measured
+  in one process, six runs in a row at world 4: 23.34 MB five times, 25.28 MB once; 24.26 and 24.39 MB seen
+  in other runs): the real group runs it several times, and the trace must equal the lowest real peak within
+  2% and lie at or below every one of them (within 2%);
 - on free-running gloo (no patch) the trace is the lower end of the real peak: 75% to 102% of it.
 
 And the CLI end to end: every built-in traces at 8 ranks, traced states next to the formula.
@@ -46,11 +48,12 @@ SMALL = [
 CASES = [("tiny", *c) for c in ALL] + [("small", *c) for c in SMALL]
 TIMING_FREE = {"ddp", "torch_zero", "zero1"}
 WORLDS = (2, 4)
-GC_CASE = ("small", "fsdp", 3, "none")
-GC_THRESHOLDS = (1, 50, 0)
-"""The collector after every allocation, after 50, and never (0). Unless the tracer holds it off for the step,
-they disagree (FSDP2 at world 4, measured before it did: 23.3 MB at 1, 24.4 MB at 50 in three fresh processes
-out of three, 23.3 or 24.8 MB at 0 as earlier steps left garbage or not)."""
+REPEATED_CASE = ("small", "fsdp", 3, "none")
+REPEATS = 8
+"""FSDP2's real peak at ``small`` is higher now and then (1 run in 6 in one probe, once in a CI run at world 4)
+with the cycle collector held off for the step, so not the collector's doing: it follows the order in which
+gloo's threads and the backward pass allocate (2 runs in 5 at world 4, 1 in 5 at world 2, in one test run).
+Eight runs: the lowest is the schedule the trace follows."""
 
 
 def cases(world: int):
@@ -66,7 +69,6 @@ def key(m: str, i: str, s: int, o: str) -> str:
 
 def run_real(world: int, rank: int, out: Path) -> None:
     import datetime
-    import gc
 
     import torch
     import torch.distributed as dist
@@ -84,12 +86,10 @@ def run_real(world: int, rank: int, out: Path) -> None:
     for c, case in zip(CASES, cases(world)):  # free-running gloo, where its timing moves the peak
         if world == 2 and c[0] == "small" and c[1] not in TIMING_FREE:
             results["as-is:" + key(*c)] = trace_case(case, fake=False, device=cpu).to_json()
-    for threshold in GC_THRESHOLDS:  # when the cycle collector would run mid-step must not move the peak
-        gc.set_threshold(threshold) if threshold else gc.disable()
+    case = cases(world)[CASES.index(REPEATED_CASE)]
+    for again in range(1, REPEATS):  # the one case whose real peak moves from run to run
         with instant_network():
-            case = cases(world)[CASES.index(GC_CASE)]
-            results[f"gc{threshold}:" + key(*GC_CASE)] = trace_case(case, fake=False, device=cpu).to_json()
-    gc.enable()
+            results[f"again{again}:" + key(*REPEATED_CASE)] = trace_case(case, fake=False, device=cpu).to_json()
     hand_back_and_exit(results, out, rank)
 
 
@@ -132,16 +132,24 @@ def test_fake_trace_sees_what_a_real_run_sees(traced, case, world):
     assert r["error"] is None and f["error"] is None, (r["error"], f["error"])
     assert f["state_bytes"] == r["state_bytes"]
     assert f["comm_elements"] == r["comm_elements"] and f["comm_bytes"] == r["comm_bytes"]
-    real_peak, fake_peak = r["peak"]["device"]["bytes"], f["peak"]["device"]["bytes"]
+    real_peak, fake_peak = min(real_peaks(real, case)), f["peak"]["device"]["bytes"]
     assert abs(fake_peak - real_peak) <= 0.02 * real_peak, json.dumps([real_peak, fake_peak, r["peak"], f["peak"]])
     assert sum(f["peak"]["device"]["roles"].values()) == fake_peak  # the composition adds up to the peak
 
 
+def real_peaks(real: dict, case: tuple) -> list[int]:
+    """Every real run's peak of ``case``: one, or ``REPEATS`` for the case whose peak moves from run to run."""
+    runs = [key(*case)] + ([f"again{a}:" + key(*case) for a in range(1, REPEATS)] if case == REPEATED_CASE else [])
+    return [real[run]["peak"]["device"]["bytes"] for run in runs]
+
+
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"w{w}")
-def test_the_cycle_collectors_timing_does_not_move_the_peak(traced, world):
-    real, _ = traced[world]
-    peaks = {t: real[f"gc{t}:" + key(*GC_CASE)]["peak"]["device"]["bytes"] for t in GC_THRESHOLDS}
-    assert set(peaks.values()) == {real[key(*GC_CASE)]["peak"]["device"]["bytes"]}, peaks
+def test_the_trace_is_the_floor_of_a_peak_that_moves_from_run_to_run(traced, world):
+    real, fake = traced[world]
+    peaks = real_peaks(real, REPEATED_CASE)
+    fake_peak = fake[key(*REPEATED_CASE)]["peak"]["device"]["bytes"]
+    print(f"\nFSDP2 small, world {world}: real peaks {peaks}, traced {fake_peak}")
+    assert all(p >= 0.98 * fake_peak for p in peaks), (peaks, fake_peak)  # never below the trace
 
 
 @pytest.mark.parametrize(

@@ -116,5 +116,5 @@ def test_run_fails_and_report_names_the_failed_check(matrix):
     assert run.returncode == 1  # bugs are failures of the run
     grad_sum = cases[("grad_sum", "fp32", 2)]["equivalence"]
     assert [c["name"] for c in grad_sum["checks"] if c["passed"] is False] == ["grad_norm"]
-    assert "NOT EQUIVALENT: grad_norm" in report
+    assert "NOT EQUIVALENT (grad_norm)" in report  # the verdict names the failed check
     assert "NOT EQUIVALENT: model_state" in report or "model_state" in report

@@ -133,9 +133,10 @@ def cycles_collected_between_steps() -> Iterator[None]:
 
     Some of a step's garbage (FSDP2's per-layer state, autograd closures) sits in reference cycles, freed
     only when the collector runs, and it runs after a count of Python allocations: at a moment that moves
-    with everything the process did before, and differently on fake tensors (measured: the same FSDP2 step's
-    real peak moved by 7% with the collector's threshold). Held off for the step, that garbage lives until
-    the step ends in every run, fake or real: one figure, and the upper end of what the collector leaves.
+    with everything the process did before, and differently on fake tensors. Held off for the step, that
+    garbage lives until the step ends in every run, fake or real. This removes the collector as a cause of
+    variation; it is not the only one: FSDP2's real peak at world 4 still moves now and then with the order
+    of gloo's threads (tests/test_trace.py, ``REPEATED_CASE``).
     """
     gc.collect()
     was_enabled = gc.isenabled()
