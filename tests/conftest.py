@@ -122,3 +122,17 @@ def make_case(**overrides: object):
         optimizer="adamw", lr=1e-3, weight_decay=0.0, momentum=0.0, grad_clip=None,
     )  # fmt: skip
     return Case.model_validate({**fields, **overrides})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def the_checkout_stays_clean():
+    """No test writes a report or results into the checkout: each passes ``--report``/``--results`` under tmp.
+    (One that did not left generated pages in ``reports/``, which were then committed by mistake.)"""
+
+    def generated() -> set[Path]:
+        return {p for d in ("reports", "results") if (ROOT / d).is_dir() for p in (ROOT / d).rglob("*")}
+
+    before = generated()
+    yield
+    written = sorted(str(p.relative_to(ROOT)) for p in generated() - before)
+    assert not written, f"tests wrote into the checkout: {written[:10]}"

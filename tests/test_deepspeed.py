@@ -100,7 +100,10 @@ def test_a_gradient_buffer_never_freed_is_caught_by_the_bytes_alone(tmp_path):
     """The planted leak (tests/plugins/wrong_deepspeed.py) trains exactly as DeepSpeed does: only the model-state
     check can see it, and it must; DeepSpeed itself, in the same run, passes."""
     (tmp_path / "s.yaml").write_text(LEAKY_SUITE)
-    zbench("run", str(tmp_path / "s.yaml"), "--results", str(tmp_path / "results"), timeout=600)
+    zbench(
+        "run", str(tmp_path / "s.yaml"), "--results", str(tmp_path / "results"), "--report", str(tmp_path / "report"),
+        timeout=600,
+    )  # fmt: skip
     cases = {
         c["config"]["implementation"]: c
         for c in map(json.loads, map(Path.read_text, tmp_path.glob("results/*/cases/*.json")))
