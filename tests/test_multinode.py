@@ -31,30 +31,24 @@ FAULTY = "tests.plugins.faulty:FAULTY"
 SHRINK = ["--set", "models=[tiny]", "--set", "steps=5", "--set", "warmup_steps=1", "--set", "precisions=[fp32]",
           "--set", "timeout_s=900"]  # fmt: skip
 FAMILIES = ["-k", "zero1", "-k", "zero3", "-k", "fsdp-s3", "-k", "fsdp1-s2", "-k", "deepspeed-s3"]
-KILL_SUITE = f"""
-name: kill-on-node-1
+
+
+def kill_suite(name: str, implementations: str) -> str:
+    """A tiny world-2 suite of ``implementations`` (YAML flow-list items), for the killed-rank tests."""
+    return f"""
+name: {name}
 device: cpu
 models: tiny
 world_sizes: 2
 steps: 6
 warmup_steps: 1
 timeout_s: 900
-implementations:
-  - ddp
-  - {{name: "{FAULTY}", options: {{fault: sigkill_marked}}}}
-  - torch_zero
+implementations: [{implementations}]
 """
 
-SRUN_KILL_SUITE = f"""
-name: srun-kill
-device: cpu
-models: tiny
-world_sizes: 2
-steps: 6
-warmup_steps: 1
-timeout_s: 900
-implementations: [ddp, {{name: "{FAULTY}", options: {{fault: sigkill}}}}]
-"""
+
+KILL_SUITE = kill_suite("kill-on-node-1", f'ddp, {{name: "{FAULTY}", options: {{fault: sigkill_marked}}}}, torch_zero')
+SRUN_KILL_SUITE = kill_suite("srun-kill", f'ddp, {{name: "{FAULTY}", options: {{fault: sigkill}}}}')
 
 
 def free_port() -> int:
