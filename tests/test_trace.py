@@ -11,10 +11,10 @@ size (rank 0):
   without it ZeRO-2/3 free a bucket when a poll finds it done, and the real peak moves with gloo's
   threads); FSDP2 calls ``reduce_scatter_single`` itself, and gloo runs it through a scratch of the
   input's size that surfaces on the calling thread, which the fake group mirroring gloo makes too;
-- FSDP2 at ``small`` is the one case whose real peak still moves from run to run on that schedule (measured
-  in one process, six runs in a row at world 4: 23.34 MB five times, 25.28 MB once; 24.26 and 24.39 MB seen
-  in other runs): the real group runs it several times, and the trace must equal the lowest real peak within
-  2% and lie at or below every one of them (within 2%);
+- at ``small`` the real peak of FSDP2, ZeRO-2/3 and FSDP1 can still move upward from run to run on that
+  schedule (FSDP2 at world 4, six runs in a row in one process: 23.34 MB five times, 25.28 MB once; ZeRO-3 at
+  world 2 once in four full runs): the real group runs those cases several times (``REPEATS``), and the trace
+  must equal the lowest real peak within 2% and lie at or below every one of them (within 2%);
 - on free-running gloo (no patch) the trace is the lower end of the real peak: 75% to 102% of it.
 
 And the CLI end to end: every built-in traces at 8 ranks, traced states next to the formula.
@@ -49,11 +49,14 @@ CASES = [("tiny", *c) for c in ALL] + [("small", *c) for c in SMALL]
 TIMING_FREE = {"ddp", "torch_zero", "zero1"}
 WORLDS = (2, 4)
 REPEATED_CASE = ("small", "fsdp", 3, "none")
-REPEATS = 8
-"""FSDP2's real peak at ``small`` is higher now and then (1 run in 6 in one probe, once in a CI run at world 4)
-with the cycle collector held off for the step, so not the collector's doing: it follows the order in which
-gloo's threads and the backward pass allocate (2 runs in 5 at world 4, 1 in 5 at world 2, in one test run).
-Eight runs: the lowest is the schedule the trace follows."""
+REPEATS = {c: 4 for c in CASES if c[0] == "small" and c[1] not in TIMING_FREE} | {REPEATED_CASE: 8}
+"""How often the real group runs each case whose real peak moves from run to run on the instant-network
+schedule. FSDP2's real peak at ``small`` is higher now and then (1 run in 6 in one probe, once in a CI run
+at world 4) with the cycle collector held off for the step, so not the collector's doing: it follows the
+order in which gloo's threads and the backward pass allocate (2 runs in 5 at world 4, 1 in 5 at world 2,
+in one test run). ZeRO-3 at ``small``, world 2, did the same once in four full runs (backward's peak
+43.89 MB above the optimizer step's 41.91 MB, which four runs in a row and the trace give). The lowest
+real peak is the schedule the trace follows."""
 
 
 def cases(world: int):
@@ -86,10 +89,11 @@ def run_real(world: int, rank: int, out: Path) -> None:
     for c, case in zip(CASES, cases(world)):  # free-running gloo, where its timing moves the peak
         if world == 2 and c[0] == "small" and c[1] not in TIMING_FREE:
             results["as-is:" + key(*c)] = trace_case(case, fake=False, device=cpu).to_json()
-    case = cases(world)[CASES.index(REPEATED_CASE)]
-    for again in range(1, REPEATS):  # the one case whose real peak moves from run to run
-        with instant_network():
-            results[f"again{again}:" + key(*REPEATED_CASE)] = trace_case(case, fake=False, device=cpu).to_json()
+    for c, repeats in REPEATS.items():  # the cases whose real peak moves from run to run
+        case = cases(world)[CASES.index(c)]
+        for again in range(1, repeats):
+            with instant_network():
+                results[f"again{again}:" + key(*c)] = trace_case(case, fake=False, device=cpu).to_json()
     hand_back_and_exit(results, out, rank)
 
 
@@ -138,17 +142,18 @@ def test_fake_trace_sees_what_a_real_run_sees(traced, case, world):
 
 
 def real_peaks(real: dict, case: tuple) -> list[int]:
-    """Every real run's peak of ``case``: one, or ``REPEATS`` for the case whose peak moves from run to run."""
-    runs = [key(*case)] + ([f"again{a}:" + key(*case) for a in range(1, REPEATS)] if case == REPEATED_CASE else [])
+    """Every real run's peak of ``case``: one, or ``REPEATS[case]`` for a case whose peak moves from run to run."""
+    runs = [key(*case)] + [f"again{a}:" + key(*case) for a in range(1, REPEATS.get(case, 1))]
     return [real[run]["peak"]["device"]["bytes"] for run in runs]
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"w{w}")
-def test_the_trace_is_the_floor_of_a_peak_that_moves_from_run_to_run(traced, world):
+@pytest.mark.parametrize("case", list(REPEATS), ids=lambda c: key(*c))
+def test_the_trace_is_the_floor_of_a_peak_that_moves_from_run_to_run(traced, case, world):
     real, fake = traced[world]
-    peaks = real_peaks(real, REPEATED_CASE)
-    fake_peak = fake[key(*REPEATED_CASE)]["peak"]["device"]["bytes"]
-    print(f"\nFSDP2 small, world {world}: real peaks {peaks}, traced {fake_peak}")
+    peaks = real_peaks(real, case)
+    fake_peak = fake[key(*case)]["peak"]["device"]["bytes"]
+    print(f"\n{key(*case)}, world {world}: real peaks {peaks}, traced {fake_peak}")
     assert all(p >= 0.98 * fake_peak for p in peaks), (peaks, fake_peak)  # never below the trace
 
 
