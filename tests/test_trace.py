@@ -48,8 +48,7 @@ SMALL = [
 CASES = [("tiny", *c) for c in ALL] + [("small", *c) for c in SMALL]
 TIMING_FREE = {"ddp", "torch_zero", "zero1"}
 WORLDS = (2, 4)
-REPEATED_CASE = ("small", "fsdp", 3, "none")
-REPEATS = {c: 4 for c in CASES if c[0] == "small" and c[1] not in TIMING_FREE} | {REPEATED_CASE: 8}
+REPEATS = {c: 4 for c in CASES if c[0] == "small" and c[1] not in TIMING_FREE} | {("small", "fsdp", 3, "none"): 8}
 """How often the real group runs each case whose real peak moves from run to run on the instant-network
 schedule. FSDP2's real peak at ``small`` is higher now and then (1 run in 6 in one probe, once in a CI run
 at world 4) with the cycle collector held off for the step, so not the collector's doing: it follows the

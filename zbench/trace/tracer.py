@@ -136,7 +136,7 @@ def cycles_collected_between_steps() -> Iterator[None]:
     with everything the process did before, and differently on fake tensors. Held off for the step, that
     garbage lives until the step ends in every run, fake or real. This removes the collector as a cause of
     variation; it is not the only one: FSDP2's real peak at world 4 still moves now and then with the order
-    of gloo's threads (tests/test_trace.py, ``REPEATED_CASE``).
+    of gloo's threads (tests/test_trace.py, ``REPEATS``).
     """
     gc.collect()
     was_enabled = gc.isenabled()
