@@ -113,8 +113,8 @@ def cli():
 
 
 def make_case(**overrides: object):
-    """A valid ``zbench.case.Case`` without a suite (tiny GPT, DDP, world 2, CPU); ``overrides`` replace fields."""
-    from zbench.case import Case
+    """A valid ``Case`` without a suite (tiny GPT, DDP, world 2, CPU); ``overrides`` replace fields."""
+    from zbench.cases.case import Case
 
     fields: dict[str, object] = dict(
         model="tiny", implementation="ddp", stage=0, world_size=2, precision="fp32", offload="none", device="cpu",

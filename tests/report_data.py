@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 from tests.conftest import make_case
-from zbench.record import (
+from zbench.results.record import (
     CaseRecord,
     Check,
     CommSummary,
@@ -24,8 +24,8 @@ from zbench.record import (
     StepSample,
     StepTimeSummary,
 )
-from zbench.run_info import Environment, RunInfo, SuiteInfo
-from zbench.store import RunDir
+from zbench.results.run_info import Environment, RunInfo, SuiteInfo
+from zbench.results.store import RunDir
 from zbench.values import CATEGORIES, LOCATIONS
 
 MODELS = ("tiny", "small", "medium", "large", "xl")

@@ -16,7 +16,7 @@ import pytest
 
 import zbench as zbench_pkg
 from tests.conftest import ROOT, child_env, zbench
-from zbench import cli
+from zbench.cli import compare, options, plan
 
 SUITE = """
 name: cli
@@ -132,4 +132,4 @@ def test_plan_and_compare_share_the_default_precision():
     def default(fn) -> str:
         return inspect.signature(fn).parameters["precision"].default
 
-    assert default(cli.plan) == default(cli.compare) == cli.DEFAULT_PRECISION
+    assert default(plan.plan) == default(compare.compare) == options.DEFAULT_PRECISION

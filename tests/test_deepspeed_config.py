@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import zbench, zbench_many
-from zbench.deepspeed_config import DeepSpeedConfigError, map_config
+from zbench.suite.deepspeed_config import DeepSpeedConfigError, map_config
 
 CONFIG = Path(__file__).parent / "data" / "ds_zero3_offload.json"
 SUITE = """

@@ -4,7 +4,7 @@ Where DeepSpeed is installed: for gpt-125m ... gpt-70b at 8 and 64 GPUs (8 per n
 offload mode, DeepSpeed's ``estimate_zero2_model_states_mem_needs`` and
 ``estimate_zero3_model_states_mem_needs`` (what its ``*_all_live`` helpers print, fed the model's
 parameter count and largest layer, built on the meta device) are compared with
-``zbench.formulas.placement``. They are not equal, and the test pins down exactly why, so that a
+``zbench.cases.formulas.placement``. They are not equal, and the test pins down exactly why, so that a
 change on either side shows up (docs/methods.md#deepspeeds-estimators):
 
 - GPU: DeepSpeed adds a fp32 gradient partition (4Ψ/N) at stage 2, which DeepSpeed creates for the
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from zbench.formulas import placement
+from zbench.cases.formulas import placement
 
 MODELS = ["gpt-125m", "gpt-350m", "gpt-1.3b", "gpt-2.7b", "gpt-6.7b", "gpt-13b", "gpt-30b", "gpt-70b"]
 GPUS = (8, 64)
@@ -43,7 +43,7 @@ def shape(model: str) -> tuple[int, int]:
     """(parameters, largest layer's parameters) as DeepSpeed's ``*_all_live`` helpers count them."""
     import torch
 
-    from zbench.models import build_model
+    from zbench.cases.models import build_model
 
     with torch.device("meta"):
         m = build_model(model, seed=0)

@@ -97,7 +97,7 @@ def test_a_meta_tensor_holds_no_memory():
 
 def test_a_presets_parameter_sizes_are_its_modules():
     """The layout and DeepSpeed's declared traffic read parameter sizes off the preset; they must be the module's."""
-    from zbench.models import GPT
+    from zbench.cases.models import GPT
     from zbench.presets import PRESETS
 
     for name, cfg in PRESETS.items():

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.conftest import make_case
-from zbench import equivalence
 from zbench.protocol import Capabilities
-from zbench.record import CaseRecord, ModelState, StepSample
+from zbench.results.record import CaseRecord, ModelState, StepSample
+from zbench.verdicts import equivalence
 
 REF = {"w": torch.tensor([1.0, -2.0, 3.0]), "key_bias": torch.tensor([0.5, 0.5]), "ln": torch.tensor([1.0, 1.0])}
 STATE = {"parameters": 1000.0, "gradients": 1000.0, "optimizer_state": 2000.0, "master_weights": 0.0}

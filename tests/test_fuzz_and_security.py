@@ -5,12 +5,13 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zbench import preflight, suite
-from zbench.aggregate import failed_record
 from zbench.errors import UsageError
 from zbench.report import render
-from zbench.run_info import Environment, RunInfo, SuiteInfo
-from zbench.store import RunDir
+from zbench.results.run_info import Environment, RunInfo, SuiteInfo
+from zbench.results.store import RunDir
+from zbench.run.aggregate import failed_record
+from zbench.suite import config as suite
+from zbench.suite import preflight
 
 KEYS = [*suite.SuiteConfig.model_fields, "bogus", "stage", "world"]
 scalars = st.one_of(

@@ -55,17 +55,24 @@ def test_import_contracts_hold():
 
 
 def test_a_planted_violation_of_each_contract_is_caught(tmp_path):
-    """One bad import per rule, in a copy of the package: every contract must report its own."""
+    """One bad import per rule, in a copy of the package: every contract must report its own.
+
+    The cycle is planted the way cycles hide: one side under ``TYPE_CHECKING`` (already there: the launcher names
+    ``NodeGroup``), the other inside a function.
+    """
     copy = tmp_path / "repo"
     copy.mkdir()
     shutil.copytree(ROOT / "zbench", copy / "zbench", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "implementations", copy / "implementations", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
     planted = {
-        "implementations/ddp.py": "from zbench.store import RunDir  # planted\n",
-        "zbench/measure/timing.py": "from zbench import launch  # planted\n",
-        "zbench/store.py": "from zbench.report import render  # planted\n",
-        "zbench/suite.py": "import torch  # planted\n",
+        "implementations/ddp.py": "from zbench.results.store import RunDir  # planted\n",
+        "zbench/measure/timing.py": "from zbench.launch import launcher  # planted\n",
+        "zbench/results/store.py": "from zbench.report import render  # planted\n",
+        "zbench/suite/config.py": "import torch  # planted\n",
+        "zbench/values.py": "from zbench.cases import case  # planted\n",
+        "zbench/results/export.py": "from zbench.cases.registry import resolve  # planted\n",
+        "zbench/launch/nodes.py": "def planted():\n    from zbench.launch.launcher import Launcher\n",
     }
     for path, line in planted.items():
         target = copy / path
@@ -73,22 +80,32 @@ def test_a_planted_violation_of_each_contract_is_caught(tmp_path):
     r = lint_imports(copy)
     assert r.returncode != 0
     for expected in (
-        "zbench.implementations.ddp -> zbench.store",
-        "zbench.measure.timing -> zbench.launch",
-        "zbench.store -> zbench.report",
-        "zbench.suite -> torch",
+        "zbench.implementations.ddp -> zbench.results.store",  # implementations
+        "zbench.measure.timing -> zbench.launch.launcher",  # groups (a lower group imports a higher one)
+        "zbench.results.store -> zbench.report",  # groups
+        "zbench.suite.config -> torch",  # suite
+        "zbench.values -> zbench.cases.case",  # foundation
+        "zbench.results.export -> zbench.cases.registry",  # records
+        "No cycles are allowed in zbench.launch",  # acyclic
     ):
         assert expected in r.stdout, (expected, r.stdout[-4000:])
     assert r.stdout.count("BROKEN") == len(contracts())
 
 
-def test_every_zbench_module_is_allowed_or_forbidden_for_implementations():
-    """A new harness module must be placed explicitly, so the implementations contract cannot silently go stale."""
-    modules = {f"zbench.{p.stem}" for p in (ROOT / "zbench").glob("*.py") if p.stem not in ("__init__", "__main__")}
-    modules |= {f"zbench.{p.name}" for p in (ROOT / "zbench").iterdir() if (p / "__init__.py").exists()}
+def test_every_zbench_module_is_placed_in_the_contracts():
+    """A new top-level module or group must be placed explicitly, so no contract can silently go stale: each group
+    is a layer, and the foundation's and the implementations' forbidden lists name every group."""
+    top = {f"zbench.{p.stem}" for p in (ROOT / "zbench").glob("*.py") if p.stem not in ("__init__", "__main__")}
+    groups = {f"zbench.{p.name}" for p in (ROOT / "zbench").iterdir() if (p / "__init__.py").exists()}
+    assert groups == set(contracts()["groups"]["layers"])
+    entry_points = {"zbench.testing", "zbench.worker"}
+    assert top == set(contracts()["foundation"]["source_modules"]) | entry_points
+    assert set(contracts()["foundation"]["forbidden_modules"]) == groups | entry_points
     forbidden = set(contracts()["implementations"]["forbidden_modules"])
-    assert modules - ALLOWED_FOR_IMPLEMENTATIONS - forbidden == set()
-    assert forbidden <= modules and not forbidden & ALLOWED_FOR_IMPLEMENTATIONS
+    assert (top | groups) - {"zbench.implementations"} == (ALLOWED_FOR_IMPLEMENTATIONS | forbidden) - {
+        "zbench.implementations"
+    }
+    assert not forbidden & ALLOWED_FOR_IMPLEMENTATIONS
 
 
 def test_nothing_imports_a_top_level_implementations_module():
@@ -137,7 +154,7 @@ RECORD_KEYS = (
 def test_stored_records_are_read_through_their_types():
     """Outside the record modules nobody indexes a stored record by string (``r["status"]``, ``r.get("summary")``)."""
     pattern = re.compile(rf'\["({RECORD_KEYS})"\]|\.get\("({RECORD_KEYS})"')
-    typed = {ROOT / "zbench" / "record.py", ROOT / "zbench" / "run_info.py"}
+    typed = {ROOT / "zbench" / "results" / "record.py", ROOT / "zbench" / "results" / "run_info.py"}
     offenders = [
         f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
         for p in [*(ROOT / "zbench").rglob("*.py"), *(ROOT / "zbench").rglob("*.j2")]
@@ -146,3 +163,35 @@ def test_stored_records_are_read_through_their_types():
         if pattern.search(line)
     ]
     assert offenders == []
+
+
+#: The longest a function of the command line may be: a command parses, calls the harness and prints.
+CLI_FUNCTION_MAX_LINES = 60
+
+
+def function_lengths(folder: Path) -> dict[str, int]:
+    """Every function under ``folder`` by ``file:name``, with its length in lines (decorators included)."""
+    import ast
+
+    lengths = {}
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+                lengths[f"{path.relative_to(folder)}:{node.name}"] = (node.end_lineno or start) - start + 1
+    return lengths
+
+
+def test_every_cli_function_fits_on_a_screen():
+    """Each command (and helper) in zbench/cli is at most 60 lines; the rule is measured, so it can fail."""
+    lengths = function_lengths(ROOT / "zbench" / "cli")
+    assert "run.py:run" in lengths and len(lengths) > 20  # the walk sees the commands
+    too_long = {name: n for name, n in lengths.items() if n > CLI_FUNCTION_MAX_LINES}
+    assert too_long == {}
+
+
+def test_the_length_rule_catches_a_long_function(tmp_path):
+    long_body = "\n".join(f"    x{i} = {i}" for i in range(CLI_FUNCTION_MAX_LINES))
+    (tmp_path / "cmd.py").write_text(f"def command():\n{long_body}\n")
+    lengths = function_lengths(tmp_path)
+    assert list(lengths.values()) == [CLI_FUNCTION_MAX_LINES + 1]

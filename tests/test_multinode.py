@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, CLIResult, child_env, zbench, zbench_many
-from zbench.regress import machine_fingerprint
-from zbench.run_info import Environment, RunInfo, SuiteInfo
+from zbench.results.run_info import Environment, RunInfo, SuiteInfo
+from zbench.verdicts.regress import machine_fingerprint
 
 FAULTY = "tests.plugins.faulty:FAULTY"
 #: suites/stages.yaml shrunk to what a test can afford: the tiny model, 5 steps, fp32, and one case of each family
@@ -275,9 +275,9 @@ def test_files_larger_than_a_store_message_reach_node_0_whole(tmp_path):
 
     from torch.distributed import TCPStore
 
-    from zbench.elastic import Rendezvous
-    from zbench.handoff import CaseFiles
-    from zbench.nodes import CHUNK_BYTES, NodeGroup, NodeReport
+    from zbench.launch.elastic import Rendezvous
+    from zbench.launch.handoff import CaseFiles
+    from zbench.launch.nodes import CHUNK_BYTES, NodeGroup, NodeReport
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
@@ -288,7 +288,7 @@ def test_files_larger_than_a_store_message_reach_node_0_whole(tmp_path):
     payload = os.urandom(5 * CHUNK_BYTES + 12345)  # 20 MiB and a ragged end
     params.write_bytes(payload)
     os.utime(params, ns=(1_000_000_000, 1_000_000_000))
-    key = "zbench/case/1/from/1"
+    key = "zbench/cases/case/1/from/1"
     report = NodeReport(node_rank=1, failures={1: -9}, files=[follower._send(params, f"{key}/file0")])
     client.set(key, report.model_dump_json())
     leader._seq = 1  # as if node 0 had announced case 1

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from tests.conftest import zbench
-from zbench.formulas import placement
-from zbench.plan import plan
+from zbench.cases.formulas import placement
+from zbench.plan.memory import plan
 from zbench.presets import PRESETS
 
 PSI = PRESETS["gpt-70b"].num_parameters

@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import zbench
 from zbench.measure.timing import summarize
-from zbench.record import CaseRecord
-from zbench.store import RunDir
+from zbench.results.record import CaseRecord
+from zbench.results.store import RunDir
 
 SUITE = """
 name: profiled
@@ -67,8 +67,8 @@ def test_profiled_steps_are_flagged_and_left_out_of_the_statistics(profiled_run)
 
 def test_a_follower_node_sends_its_ranks_traces_to_node_0(tmp_path):
     """Node 0 classifies the case from its own work directory, so a follower's traces must travel there too."""
-    from zbench.handoff import CaseFiles
-    from zbench.nodes import _worth_sending
+    from zbench.launch.handoff import CaseFiles
+    from zbench.launch.nodes import _worth_sending
 
     files = CaseFiles(tmp_path)
     for path in (files.profile(1), files.result(1), files.task, tmp_path / ".profile-rank1.json.step2.tmp"):

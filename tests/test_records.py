@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_case, zbench
-from zbench import store
 from zbench.errors import UsageError
-from zbench.handoff import CollectiveEntry, RankResult, WorkerTask
-from zbench.record import SCHEMA_VERSION, CaseRecord, NvmlSummary, PhaseTimes, RankMemory
-from zbench.store import RunDir
+from zbench.launch.handoff import CollectiveEntry, RankResult, WorkerTask
+from zbench.results import store
+from zbench.results.record import SCHEMA_VERSION, CaseRecord, NvmlSummary, PhaseTimes, RankMemory
+from zbench.results.store import RunDir
 
 FIXTURE = Path(__file__).parent / "fixtures" / "schema1"
 """A run written by zbench before the typed records (schema 1): tiny GPT, world 2, fp16, DDP and ZeRO-2 with and

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import make_case, zbench
-from zbench.record import (
+from zbench.results.record import (
     CaseRecord,
     Equivalence,
     MemorySummary,
@@ -23,10 +23,10 @@ from zbench.record import (
     StepSample,
     StepTimeSummary,
 )
-from zbench.regress import Thresholds, check, compare_bytes, compare_times
-from zbench.run_info import Environment, RunInfo, SuiteInfo
-from zbench.store import RunDir
+from zbench.results.run_info import Environment, RunInfo, SuiteInfo
+from zbench.results.store import RunDir
 from zbench.values import CATEGORIES, LOCATIONS
+from zbench.verdicts.regress import Thresholds, check, compare_bytes, compare_times
 
 T = Thresholds()
 TRIALS = 200
@@ -77,7 +77,7 @@ CASE = make_case()
 
 def test_peak_rss_noise_is_not_a_memory_regression_but_rss_growth_and_device_growth_are():
     """An unchanged CPU rerun's peak RSS moved +8.6 MB (2.6%) on tiny; device peaks repeat to the byte."""
-    from zbench.regress import case_findings
+    from zbench.verdicts.regress import case_findings
 
     base = record(CASE, times=[0.1] * 10, peak=345_817_088)
     noisy = record(CASE, times=[0.1] * 10, peak=354_811_904)
@@ -233,7 +233,7 @@ def test_without_paired_rounds_the_gate_says_it_fell_back_to_absolute_times(tmp_
 
 
 def test_environment_differences_are_shown_with_the_verdict(tmp_path):
-    from zbench import check as check_mod
+    from zbench.verdicts import check as check_mod
 
     rng = np.random.default_rng(7)
     base = paired_run(tmp_path, "a", rng, torch="2.12.0", load_average_1m=0.2)
@@ -348,7 +348,7 @@ def test_report_draws_history_with_the_regression_marked(three_runs, tmp_path):
 
 
 def test_history_loader_keys_points_by_commit(three_runs, tmp_path):
-    from zbench.history import case_history
+    from zbench.report.history import case_history
 
     series = case_history([RunDir(r.parent, r.name) for r in three_runs])
     slow = next(v for k, v in series.items() if "FAULTY" in k)

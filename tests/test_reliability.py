@@ -108,8 +108,8 @@ def test_two_suites_at_once_into_one_results_directory(tmp_path):
 
 
 def test_resume_of_a_run_being_written_is_refused(tmp_path):
-    from zbench.run_info import RunInfo, SuiteInfo
-    from zbench.store import RunDir, RunLock
+    from zbench.results.run_info import RunInfo, SuiteInfo
+    from zbench.results.store import RunDir, RunLock
 
     run = RunDir(tmp_path / "results", "r1")
     run.start(RunInfo(run_id="r1", suite=SuiteInfo(name="s")))

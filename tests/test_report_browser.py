@@ -21,9 +21,9 @@ from tests.browser import (
     wait_for_charts,
 )
 from tests.conftest import make_case, zbench
-from zbench.record import CaseRecord, Equivalence, MemorySummary, ModelState, StepSample, StepTimeSummary
-from zbench.run_info import Environment, RunInfo, SuiteInfo
-from zbench.store import RunDir
+from zbench.results.record import CaseRecord, Equivalence, MemorySummary, ModelState, StepSample, StepTimeSummary
+from zbench.results.run_info import Environment, RunInfo, SuiteInfo
+from zbench.results.store import RunDir
 from zbench.values import CATEGORIES, LOCATIONS
 
 pytestmark = pytest.mark.slow

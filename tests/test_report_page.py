@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_case, zbench
-from zbench.record import CaseRecord, Equivalence, MemorySummary, ModelState, StepSample, StepTimeSummary
-from zbench.run_info import Environment, RunInfo, SuiteInfo
-from zbench.store import RunDir
+from zbench.results.record import CaseRecord, Equivalence, MemorySummary, ModelState, StepSample, StepTimeSummary
+from zbench.results.run_info import Environment, RunInfo, SuiteInfo
+from zbench.results.store import RunDir
 from zbench.values import CATEGORIES, LOCATIONS
 
 #: 2 ranks x 4 sequences x 32 tokens = 256 tokens a step, 0.1 s a step.

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tests.conftest import zbench, zbench_many
-from zbench import store
-from zbench.record import SCHEMA_VERSION
+from zbench.results import store
+from zbench.results.record import SCHEMA_VERSION
 
 FAULTY = "tests.plugins.faulty:FAULTY"
 SUITE = f"""

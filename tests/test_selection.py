@@ -11,8 +11,8 @@ import json
 import re
 
 from tests.conftest import ROOT, zbench, zbench_many
-from zbench.selection import select
-from zbench.suite import from_dict, with_overrides
+from zbench.suite.config import from_dict, with_overrides
+from zbench.suite.selection import select
 
 SCALING = str(ROOT / "suites" / "scaling.yaml")
 #: scaling.yaml (8 GPUs, gpt-125m ... gpt-2.7b) made small enough for two CPU ranks: only the command line changes.
@@ -79,8 +79,8 @@ def test_overrides_reach_into_mappings_and_leave_the_rest():
 
 
 def test_auto_world_size_is_two_cpu_ranks(tmp_path):
-    from zbench import preflight
-    from zbench.suite import from_flags
+    from zbench.suite import preflight
+    from zbench.suite.config import from_flags
 
     config = from_dict(
         {"device": "cpu", "models": ["tiny"], "implementations": ["ddp"], "world_sizes": ["auto", 2, 3]}, source="t"
@@ -91,8 +91,8 @@ def test_auto_world_size_is_two_cpu_ranks(tmp_path):
 
 
 def test_selection_keeps_the_references_of_what_it_keeps():
-    from zbench import preflight
-    from zbench.suite import from_flags
+    from zbench.suite import preflight
+    from zbench.suite.config import from_flags
 
     config = from_dict(
         {

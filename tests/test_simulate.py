@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from zbench.simulate.cluster import ClusterError, built_in_names, load
-from zbench.simulate.step import collective_seconds, estimate
+from zbench.plan.simulate.cluster import ClusterError, built_in_names, load
+from zbench.plan.simulate.step import collective_seconds, estimate
 
 H100 = load("h100-sxm")
 
@@ -123,7 +123,7 @@ def test_simulate_bad_input(cli):
 
 
 def test_trace_on_cuda_without_cuda_is_refused_in_one_line(cli):
-    from zbench.trace.plan import cuda_traceable
+    from zbench.plan.trace.plan import cuda_traceable
 
     if cuda_traceable():
         pytest.skip("this torch is built with CUDA: --device cuda traces (tests/test_gpu.py)")

@@ -1,6 +1,6 @@
 """Shared parameters and activation checkpointing through every built-in engine: a head tied to the token embedding
 (GPT-2, Llama style) and one weight shared by two transformer blocks (two stage-3 units), each with and without
-activation checkpointing (``zbench.models.checkpoint_blocks``, applied before the engine wraps the model, as the
+activation checkpointing (``zbench.cases.models.checkpoint_blocks``, applied before the engine wraps the model, as the
 worker does). Each engine trains exactly like DDP on the same model.
 
 Stage 3 used to crash its ranks (SIGSEGV) on a weight shared by two blocks: the second block's flat buffer read
@@ -25,7 +25,7 @@ STEPS = 6
 
 
 def tie(model: torch.nn.Module, how: str) -> None:
-    from zbench.models import checkpoint_blocks
+    from zbench.cases.models import checkpoint_blocks
 
     if how.startswith(("embedding", "both")):
         model.head.weight = model.tok.weight
@@ -39,8 +39,8 @@ def train(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    from zbench import registry
-    from zbench.models import build_model, rank_micro_batches, synthetic_batch
+    from zbench.cases import registry
+    from zbench.cases.models import build_model, rank_micro_batches, synthetic_batch
     from zbench.presets import get_config
     from zbench.protocol import TrainSpec
 

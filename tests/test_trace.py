@@ -75,8 +75,8 @@ def run_real(world: int, rank: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from zbench.trace.shims import instant_network
-    from zbench.trace.tracer import trace_case
+    from zbench.plan.trace.shims import instant_network
+    from zbench.plan.trace.tracer import trace_case
 
     dist.init_process_group(
         "gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world,
@@ -100,8 +100,8 @@ FAKE = """
 import json, sys, torch
 sys.path.insert(0, {root!r})
 from tests.test_trace import CASES, WORLDS, cases, key
-from zbench.trace.shims import fake_world
-from zbench.trace.tracer import trace_case
+from zbench.plan.trace.shims import fake_world
+from zbench.plan.trace.tracer import trace_case
 out = {{}}
 for world in WORLDS:
     with fake_world(world, backend="gloo"):
@@ -172,7 +172,7 @@ def test_live_bytes_counts_frees_roles_and_resizes():
     """The accounting itself, on real tensors: a planted leak, a free, an activation and a resized storage."""
     import torch
 
-    from zbench.trace.live import ACTIVATIONS, HELD, OTHER, LiveBytes
+    from zbench.plan.trace.live import ACTIVATIONS, HELD, OTHER, LiveBytes
 
     held = torch.zeros(1000)  # 4000 bytes, alive before the step
     with LiveBytes(torch.device("cpu")) as live:
@@ -237,7 +237,7 @@ def test_fsdp_chunks_made_on_demand_are_torch_chunks(length, chunks):
     import torch
     from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
-    from zbench.trace.shims import _LazyChunks
+    from zbench.plan.trace.shims import _LazyChunks
 
     t = torch.arange(length * 3).reshape(length, 3) if length else torch.empty(0, 3)
     eager, lazy = _chunk_with_empty(t, chunks, 0), _LazyChunks(t, chunks, 0)
@@ -250,9 +250,9 @@ def test_fsdp_chunks_made_on_demand_are_torch_chunks(length, chunks):
 
 HELD = """
 import json, torch
-from zbench.trace.plan import make_case
-from zbench.trace.shims import fake_world
-from zbench.trace.tracer import trace_case
+from zbench.plan.trace.plan import make_case
+from zbench.plan.trace.shims import fake_world
+from zbench.plan.trace.tracer import trace_case
 out = {}
 with fake_world(8):
     for impl, stage in (("fsdp", 3), ("zero3", 3), ("ddp", 0)):

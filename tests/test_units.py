@@ -7,14 +7,16 @@ import json
 import pytest
 import torch
 
-from zbench import preflight, store, suite
 from zbench.atomic import atomic_write_json
-from zbench.case import Case
-from zbench.formulas import expected_state_bytes
-from zbench.models import GPT, build_model, rank_micro_batches, synthetic_batch
+from zbench.cases.case import Case
+from zbench.cases.formulas import expected_state_bytes
+from zbench.cases.models import GPT, build_model, rank_micro_batches, synthetic_batch
 from zbench.presets import PRESETS
-from zbench.record import SCHEMA_VERSION, CaseRecord, StepSample, StepTimeSummary
-from zbench.run_info import RunInfo, SuiteInfo
+from zbench.results import store
+from zbench.results.record import SCHEMA_VERSION, CaseRecord, StepSample, StepTimeSummary
+from zbench.results.run_info import RunInfo, SuiteInfo
+from zbench.suite import config as suite
+from zbench.suite import preflight
 
 # --- models -----------------------------------------------------------------------------------------------
 
@@ -192,8 +194,8 @@ def test_nvml_sampler_reports_unavailable_instead_of_failing():
 
 
 def test_energy_per_step_counts_the_timed_steps_only():
-    from zbench.aggregate import energy_summary
-    from zbench.record import NvmlSummary
+    from zbench.results.record import NvmlSummary
+    from zbench.run.aggregate import energy_summary
 
     rank = NvmlSummary(available=True, peak_used_bytes=10, energy_j=1000.0, energy_timed_j=300.0)
     out = energy_summary(
@@ -274,7 +276,7 @@ def test_ledger_records_collectives_and_logical_labels():
 
 
 def test_activation_checkpointing_recomputes_every_block_in_backward(monkeypatch):
-    from zbench.models import Block, checkpoint_blocks
+    from zbench.cases.models import Block, checkpoint_blocks
 
     calls = []
     forward = Block.forward

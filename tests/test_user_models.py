@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import zbench
-from zbench.record import CaseRecord
-from zbench.store import RunDir
+from zbench.results.record import CaseRecord
+from zbench.results.store import RunDir
 
 BUILDER = "tests.plugins.user_models:shared_blocks"
 SUITE = f"""

@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.conftest import hand_back_and_exit, launch_rank_scripts  # noqa: E402
-from zbench.formulas import expected_state_bytes  # noqa: E402
+from zbench.cases.formulas import expected_state_bytes  # noqa: E402
 from zbench.presets import PRESETS  # noqa: E402
 
 MODEL = "tiny"
@@ -86,8 +86,8 @@ def scenarios(world: int) -> dict[str, dict]:
 
 
 def _build(impl: str, spec_kwargs: dict, options: dict, group):
-    from zbench import registry
-    from zbench.models import build_model
+    from zbench.cases import registry
+    from zbench.cases.models import build_model
     from zbench.protocol import TrainSpec
 
     spec = TrainSpec(device=torch.device("cpu"), options=options, **spec_kwargs)
@@ -122,7 +122,7 @@ def _RebucketedDDP(model, spec, group):
 def _run(engine, *, spec_kwargs: dict, steps: range, rank: int, world: int) -> tuple[list[float], list[dict]]:
     import torch.distributed as dist
 
-    from zbench.models import get_config, rank_micro_batches, synthetic_batch
+    from zbench.cases.models import get_config, rank_micro_batches, synthetic_batch
 
     cfg, accum = get_config(MODEL), spec_kwargs.get("grad_accum", 1)
     losses, metrics = [], []
@@ -147,7 +147,7 @@ def _held_by_stage_layout(engine) -> dict:
 def rank_main(world: int, rank: int, out: Path) -> None:
     import torch.distributed as dist
 
-    from zbench.models import build_model
+    from zbench.cases.models import build_model
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -278,7 +278,7 @@ BF16_LOSS_TOL, FP16_LOSS_TOL, MIXED_UPDATE_TOL = 1e-3, 1e-3, 5e-2
 @pytest.mark.parametrize("precision,loss_tol", [("bf16", BF16_LOSS_TOL), ("fp16", FP16_LOSS_TOL)])
 @pytest.mark.parametrize("impl", ZEROS)
 def test_mixed_precision_close_to_ddp_autocast(runs, impl, precision, loss_tol):
-    from zbench.models import build_model
+    from zbench.cases.models import build_model
 
     result = runs[2][0][precision]
     assert max_rel_loss_diff(result[impl]["losses"], result["ddp"]["losses"]) <= loss_tol
@@ -368,7 +368,7 @@ def test_between_steps_stage2_holds_no_full_gradient_and_stage3_no_full_paramete
 
 @pytest.mark.parametrize("name,stage", [("zero1", 1), ("zero2", 2), ("zero3", 3)])
 def test_registered_with_capabilities(name, stage):
-    from zbench import registry
+    from zbench.cases import registry
 
     impl = registry.resolve(name)
     assert impl.name == name and impl.capabilities.stages == {stage}
@@ -379,8 +379,8 @@ def test_registered_with_capabilities(name, stage):
 
 
 def test_unknown_option_is_a_clear_error():
+    from zbench.cases.models import build_model
     from zbench.implementations.zero import ZERO2
-    from zbench.models import build_model
     from zbench.protocol import TrainSpec
 
     with pytest.raises(ValueError, match=r"unknown zero option.*bucket_sz"):
@@ -388,8 +388,8 @@ def test_unknown_option_is_a_clear_error():
 
 
 def test_world_of_one_without_a_process_group():
+    from zbench.cases.models import build_model, get_config, rank_micro_batches, synthetic_batch
     from zbench.implementations.zero import ZERO3
-    from zbench.models import build_model, get_config, rank_micro_batches, synthetic_batch
     from zbench.protocol import Engine, TrainSpec
 
     engine = ZERO3.build(build_model(MODEL, seed=0), TrainSpec(device=torch.device("cpu")), None)

@@ -8,7 +8,7 @@ Tolerances are ``test_zero_engine``'s: fp32 within 1e-5 relative of DDP (in prac
 bit-identical: offloading moves bytes, not arithmetic; AdamW being elementwise, streaming the
 step in sub-groups changes nothing either); bf16/fp16 loss within 1e-3 and parameters within 5%
 of how far training moved them. State bytes by category *and location* must match
-``zbench.formulas.placement`` within 2% plus padding.
+``zbench.cases.formulas.placement`` within 2% plus padding.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from tests.test_zero_engine import (  # noqa: E402
     max_rel_loss_diff,
     update_error,
 )
-from zbench.formulas import placement  # noqa: E402
+from zbench.cases.formulas import placement  # noqa: E402
 from zbench.presets import PRESETS  # noqa: E402
 
 STEPS = 20
@@ -110,8 +110,8 @@ RESUMES = {"zero3/nvme": "nvme", "zero1/optimizer": "optimizer", "zero2/nvme": "
 def _build(
     impl: str, spec_kwargs: dict, *, offload: str = "none", options: dict | None = None, nvme_dir=None, group=None
 ):
-    from zbench import registry
-    from zbench.models import build_model
+    from zbench.cases import registry
+    from zbench.cases.models import build_model
     from zbench.protocol import TrainSpec
 
     spec = TrainSpec(
@@ -136,7 +136,7 @@ def _close(engine) -> dict:
 def rank_main(world: int, rank: int, out: Path) -> None:
     import torch.distributed as dist
 
-    from zbench.models import build_model
+    from zbench.cases.models import build_model
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -238,7 +238,7 @@ def test_fp32_offload_matches_ddp(runs, impl, offload):
 
 @pytest.mark.parametrize("impl,offload", scenarios(2)["bf16"]["pairs"])
 def test_bf16_offload_close_to_ddp_autocast(runs, impl, offload):
-    from zbench.models import build_model
+    from zbench.cases.models import build_model
 
     result, k = runs[2][0]["bf16"], key(impl, offload)
     assert max_rel_loss_diff(result[k]["losses"], result["ddp"]["losses"]) <= BF16_LOSS_TOL
@@ -255,7 +255,7 @@ def test_offload_with_accumulation_and_clipping_matches_ddp(runs, impl, offload)
 
 
 def test_fp16_loss_scaling_with_nvme(runs):
-    from zbench.models import build_model
+    from zbench.cases.models import build_model
 
     result, k = runs[2][0]["fp16"], "zero3/nvme"
     assert max_rel_loss_diff(result[k]["losses"], result["ddp"]["losses"]) <= FP16_LOSS_TOL
@@ -350,7 +350,7 @@ def _world1_nvme(tmp_path, impl="zero2", **spec):
 
 
 def _step(engine, step: int):
-    from zbench.models import get_config, rank_micro_batches, synthetic_batch
+    from zbench.cases.models import get_config, rank_micro_batches, synthetic_batch
 
     batch = synthetic_batch(get_config(MODEL), seed=0, step=step, rows=2)
     return engine.step(rank_micro_batches(batch, rank=0, world=1, grad_accum=1))

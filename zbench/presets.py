@@ -1,7 +1,7 @@
 """Model presets by name: GPT shapes from ``tiny`` to ``gpt-70b``, with exact parameter and FLOP counts.
 
 Plain data, no torch: the suite parser, ``zbench plan`` and the formulas read
-these without building anything. ``zbench.models`` builds the module from them.
+these without building anything. ``zbench.cases.models`` builds the module from them.
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ class Implementation(Protocol):
     def state_layout(self, spec: TrainSpec, sizes: tuple[int, ...], world: int) -> dict[str, dict[str, float]] | None:
         """Bytes per rank by category and location it holds between steps training as ``spec`` says, a model of
         parameters of ``sizes`` elements, at ``world`` ranks, where its layout departs from the ZeRO formulas
-        (``zbench.formulas.placement``); or ``None`` for the formulas. Optional: without it, the formulas."""
+        (``zbench.cases.formulas.placement``); or ``None`` for the formulas. Optional: without it, the formulas."""
 
 
 class ImplementationBase:

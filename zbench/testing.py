@@ -16,12 +16,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from zbench import preflight
-from zbench import suite as suite_mod
-from zbench.console import Progress
 from zbench.errors import UsageError
-from zbench.record import CaseRecord
-from zbench.runner import run_suite
+from zbench.results.record import CaseRecord
+from zbench.run.console import Progress
+from zbench.run.runner import run_suite
+from zbench.suite import config as suite_mod
+from zbench.suite import preflight
 from zbench.values import Offload, OptimizerName, Precision
 
 #: Which arguments of ``assert_equivalent_to_ddp`` a DeepSpeed config's suite keys stand for.
@@ -40,7 +40,7 @@ def _left_to_deepspeed(settings: dict[str, Any], path: Path, *, given: dict[str,
     (a value other than the default) or a ``stage`` is a conflict, as in a suite file."""
     import inspect
 
-    from zbench.deepspeed_config import DeepSpeedConfigError, read
+    from zbench.suite.deepspeed_config import DeepSpeedConfigError, read
 
     try:
         mapped = read(path)

@@ -11,7 +11,7 @@ offload               master + optimizer      gradient shard     stage-3 paramet
 
 Stage 1 keeps its whole gradient buffers on the device in every mode (it reduces them once per
 step); offloaded, each reduced slice is then copied into the host partition. This is what
-``zbench.formulas.placement`` predicts.
+``zbench.cases.formulas.placement`` predicts.
 """
 
 from __future__ import annotations

@@ -67,5 +67,5 @@ class ZeRO1Engine(ShardedEngine):
         return zero_state_bytes(
             parameters=Held(device=params),
             gradients=gradients + total(r.held() for r in self.reduced),
-            placement=self.placement,
+            placed=self.placement.held(),
         )

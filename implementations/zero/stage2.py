@@ -50,4 +50,4 @@ class ZeRO2Engine(ReducedEachMicroBatch):
     def state_bytes(self) -> dict[str, dict[str, int]]:
         params = list(self.model.parameters())
         gradients = Held(device=[p.grad for p in params]) + total(b.grad_shard.held() for b in self.buckets)
-        return zero_state_bytes(parameters=Held(device=params), gradients=gradients, placement=self.placement)
+        return zero_state_bytes(parameters=Held(device=params), gradients=gradients, placed=self.placement.held())

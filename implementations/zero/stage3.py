@@ -179,7 +179,7 @@ class ZeRO3Engine(ReducedEachMicroBatch):
         params = list(self.model.parameters())
         parameters = Held(device=params) + total(u.tier.held() for u in self.units)
         gradients = Held(device=[p.grad for p in params]) + total(b.grad_shard.held() for b in self.buckets)
-        return zero_state_bytes(parameters=parameters, gradients=gradients, placement=self.placement)
+        return zero_state_bytes(parameters=parameters, gradients=gradients, placed=self.placement.held())
 
     def flat_groups(self) -> Sequence[ShardedParams]:
         return self.units

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from zbench.implementations.zero.comm import Comm
 from zbench.implementations.zero.flat import FlatLayout
 from zbench.state_bytes import empty_state_bytes, storage_key
-
-if TYPE_CHECKING:
-    from zbench.implementations.zero.placement import Placement
 
 
 @dataclass
@@ -54,20 +50,19 @@ def total(held: Iterable[Held]) -> Held:
     return sum(held, Held())
 
 
-def zero_state_bytes(*, parameters: Held, gradients: Held, placement: Placement) -> dict[str, dict[str, int]]:
+def zero_state_bytes(*, parameters: Held, gradients: Held, placed: dict[str, Held]) -> dict[str, dict[str, int]]:
     """Bytes by category and location, measured from what is held (a freed stage-3 buffer holds zero bytes).
 
     ``parameters`` and ``gradients`` are what the stage holds itself (the model's parameters, its
-    gradient buffers and shards); ``placement`` adds the master weights and optimizer state wherever
-    they live, and the parameters it keeps in files. fp32 master shards on the device are the
+    gradient buffers and shards); ``placed`` (``Placement.held()``) adds the master weights and
+    optimizer state wherever they live, and the parameters it keeps in files. fp32 master shards on the device are the
     parameter shards themselves and count there only.
     """
-    held = placement.held()
     out = empty_state_bytes()
-    out["parameters"] = (parameters + held["parameters"]).bytes()
+    out["parameters"] = (parameters + placed["parameters"]).bytes()
     out["gradients"] = gradients.bytes()
-    out["optimizer_state"] = held["optimizer_state"].bytes()
-    out["master_weights"] = held["master_weights"].bytes()
+    out["optimizer_state"] = placed["optimizer_state"].bytes()
+    out["master_weights"] = placed["master_weights"].bytes()
     return out
 
 

@@ -10,7 +10,7 @@ Measures what the profile needs, on the machine it runs on, and prints the YAML
 - "PCIe": a single-threaded host memory copy; "NVMe": writing a file with fsync, the slower direction;
 - host optimizer: torch's AdamW (for-loop) step on one thread, parameters per second.
 
-``python -m tests.benchmarks.cpu_profile --out zbench/simulate/clusters/cpu-2core.yaml`` (about 2 minutes).
+``python -m tests.benchmarks.cpu_profile --out zbench/plan/simulate/clusters/cpu-2core.yaml`` (about 2 minutes).
 The machine's speed drifts (up to 3x between minutes on a shared host), so the figures are one sample.
 """
 

@@ -7,7 +7,7 @@ candidate baselines. Then ``--reruns`` unchanged reruns and as many with the plu
 processes on and off every 2-8 s (a random schedule, seeded). Every run is kept under ``--keep``
 with a manifest, and every rerun is judged by each gate in ``GATES``:
 
-- today's gate (``zbench.regress.check``): each case's step time relative to DDP's, from the paired
+- today's gate (``zbench.verdicts.regress.check``): each case's step time relative to DDP's, from the paired
   rounds measured in the same run, against the pooled baseline runs, with an allowance widened by
   how far those runs' medians spread; DDP's own drift reported, not gated;
 - the same against the pooled runs made before the load;
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zbench.regress import Thresholds, check, compare_times
-from zbench.store import RunDir
+from zbench.results.store import RunDir
+from zbench.verdicts.regress import Thresholds, check, compare_times
 
 REPO = Path(__file__).resolve().parents[2]
 SLOWED = "FAULTY"

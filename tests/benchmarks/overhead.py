@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from tests.benchmarks.ranks import run_ranks
+from zbench.cases.models import build_model, get_config, rank_micro_batches, synthetic_batch
 from zbench.implementations.ddp import DDP
 from zbench.measure import comms
 from zbench.measure.phases import PhaseClock
 from zbench.measure.timing import timed
-from zbench.models import build_model, get_config, rank_micro_batches, synthetic_batch
 from zbench.protocol import TrainSpec
 
 GOAL_PCT = 2.0

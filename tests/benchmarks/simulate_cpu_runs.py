@@ -2,7 +2,7 @@
 
 Runs ``zbench run`` on the suite below (tiny and small GPT, worlds 1, 2 and 4, every built-in
 implementation, fp32; or ``--results RUN`` to reuse a stored run), traces each case on fake tensors in a
-fake group mirroring gloo (``zbench.trace``), predicts its step time with ``zbench.simulate.measured``
+fake group mirroring gloo (``zbench.plan.trace``), predicts its step time with ``zbench.plan.simulate.measured``
 and prints per case measured vs predicted, then the median and worst absolute error over the non-DDP
 cases. ``python -m tests.benchmarks.simulate_cpu_runs --out docs/data/simulate_cpu_runs.json``
 (about 10 minutes on 2 cores).
@@ -17,8 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from zbench.simulate.measured import predict, summary, trace_records
-from zbench.store import RunDir
+from zbench.plan.simulate.measured import predict, summary, trace_records
+from zbench.results.store import RunDir
 
 SUITE = """
 name: simulate-cpu

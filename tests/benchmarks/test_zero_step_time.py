@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from tests.benchmarks.ranks import run_ranks
-from zbench import registry
-from zbench.models import build_model, get_config, rank_micro_batches, synthetic_batch
+from zbench.cases import registry
+from zbench.cases.models import build_model, get_config, rank_micro_batches, synthetic_batch
 from zbench.protocol import TrainSpec
 
 IMPLS = ("ddp", "zero1", "zero2", "zero3")

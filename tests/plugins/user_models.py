@@ -2,7 +2,7 @@
 
 ``shared_blocks`` is a small causal language model whose two middle blocks share one weight (the
 classic trap for a flat-buffer ZeRO: one tensor reached from two stage-3 units) and whose head is tied
-to the token embedding; it follows the contract in ``zbench.model_source``.
+to the token embedding; it follows the contract in ``zbench.cases.model_source``.
 """
 
 from __future__ import annotations

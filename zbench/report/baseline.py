@@ -1,6 +1,6 @@
 """What changed since the last runs of the same suite on the same machine: the report's "base -> new" view.
 
-The comparison is ``zbench check``'s own (``zbench.regress.check`` against the suite's
+The comparison is ``zbench check``'s own (``zbench.verdicts.regress.check`` against the suite's
 ``baseline_runs`` newest earlier runs, with the suite's thresholds), so the report
 colours exactly what the gate would fail or praise; the cells show the newest
 baseline run's figures next to this run's.
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zbench.record import CaseRecord
-from zbench.regress import CheckResult, Finding, check, latest_baselines, thresholds_for
-from zbench.store import RunDir
+from zbench.results.record import CaseRecord
+from zbench.results.store import RunDir
+from zbench.verdicts.regress import CheckResult, Finding, check, latest_baselines, thresholds_for
 
 TIME_METRICS = ("step_time_vs_ddp", "step_time")
 MEMORY_METRICS = ("peak_memory", "model_state")

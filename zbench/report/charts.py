@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from zbench.history import Point
-from zbench.record import CaseRecord
+from zbench.report.history import Point
+from zbench.results.record import CaseRecord
 from zbench.values import CATEGORIES, LOCATIONS
 
 Spec = dict[str, Any]

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from zbench.case import REFERENCE
-from zbench.record import CaseRecord
+from zbench.cases.case import REFERENCE
+from zbench.results.record import CaseRecord
 
 Column = tuple[str, int, str]
 """implementation, stage, offload"""

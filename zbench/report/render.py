@@ -19,17 +19,17 @@ import jinja2
 from markupsafe import Markup
 
 from zbench.atomic import atomic_write_bytes
-from zbench.equivalence import BOUNDS
-from zbench.formatting import fmt_bytes, fmt_money, fmt_ratio, fmt_seconds, status_text, verdict_text
-from zbench.history import case_history, runs_like
-from zbench.record import CaseRecord
+from zbench.plan.simulate.run_file import load_simulation
 from zbench.report import charts
 from zbench.report.baseline import MEMORY_METRICS, TIME_METRICS, baseline_for
+from zbench.report.history import case_history, runs_like
 from zbench.report.matrix import build as build_matrix
-from zbench.run_info import RunInfo
-from zbench.simulate.run_file import load_simulation
-from zbench.store import RunDir, cases_read_once
+from zbench.results.formatting import fmt_bytes, fmt_money, fmt_ratio, fmt_seconds, status_text, verdict_text
+from zbench.results.record import CaseRecord
+from zbench.results.run_info import RunInfo
+from zbench.results.store import RunDir, cases_read_once
 from zbench.values import STATUSES
+from zbench.verdicts.equivalence import BOUNDS
 
 SCRIPT = "zbench-report.js"
 CASE_PAGES = "cases"

@@ -1,0 +1,3 @@
+"""What one case is made of: the case itself, its model and data, the implementation it runs, and the
+bytes the ZeRO formulas expect it to hold.
+"""

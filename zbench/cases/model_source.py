@@ -1,0 +1,154 @@
+"""Where a suite's model comes from: a preset name (``small``) or a builder of the user's (``my_pkg.models:build``).
+
+The contract for a builder (docs/methods.md#models-users-bring):
+
+- ``build(seed: int) -> torch.nn.Module``, deterministic in ``seed``: every rank calls it and must get the
+  same initial weights (the harness seeds torch's CPU generator with ``seed`` before the call, builds on
+  the CPU and then moves the module to the rank's device);
+- ``module(idx, targets)`` returns the scalar mean loss, where ``idx`` and ``targets`` are
+  ``[micro_batch, seq_len]`` int64 token ids and ``targets`` is ``idx`` shifted by one: the harness's
+  synthetic next-token data, the same for every implementation;
+- ``module.vocab_size`` (ids are drawn below it) and ``module.max_seq_len`` (the longest ``seq_len`` the
+  suite may ask for) say what data it needs;
+- optional ``module.blocks`` (an ``nn.ModuleList``): the units activation checkpointing wraps and the
+  stage-3 engines shard one by one; without it, checkpointing refuses and stage 3 gathers the model whole.
+
+Presets describe themselves with a ``GPTConfig``; a user model is measured once, on the ``meta`` device
+(no memory, no weights), for its parameter count and data shape. Its model FLOPs are the usual
+``6 x parameters`` per token (no attention term: the harness does not know its architecture).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING
+
+from zbench.cases.user_import import import_user_module
+from zbench.presets import PRESETS, GPTConfig
+
+if TYPE_CHECKING:  # torch is imported lazily: the suite parser uses this module without it
+    import torch
+    from torch import nn
+
+
+class ModelSourceError(ValueError):
+    """A model name that is neither a preset nor a usable builder; the message is one line."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the harness needs to know about a model without building it on a device."""
+
+    name: str
+    parameters: int
+    vocab: int
+    seq: int
+    """The longest sequence the model takes (the suite's ``seq_len`` defaults to it)."""
+    gpt: GPTConfig | None = None
+    """The preset's configuration; ``None`` for a user's model."""
+    has_blocks: bool = True
+    """It has a ``blocks`` ``nn.ModuleList`` (what activation checkpointing wraps)."""
+
+    def flops_per_token(self, seq: int | None = None) -> float:
+        """Training FLOPs per token: the preset's count with attention, else ``6 x parameters``."""
+        return self.gpt.flops_per_token(seq) if self.gpt else 6.0 * self.parameters
+
+
+def is_builder_path(name: str) -> bool:
+    return ":" in name
+
+
+def load_builder(path: str) -> Callable[[int], object]:
+    """The callable at ``module:attribute``, or a one-line ``ModelSourceError``."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ModelSourceError(f"model {path!r}: expected a preset name or module:builder")
+    try:
+        module = import_user_module(module_name)
+    except Exception as exc:  # any import failure is the user's path or module: one line, not a traceback
+        raise ModelSourceError(f"model {path!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc})") from None
+    builder = getattr(module, attr, None)
+    if not callable(builder):
+        raise ModelSourceError(f"model {path!r}: {module_name!r} has no callable {attr!r}")
+    return builder
+
+
+def build_user_model(path: str, *, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+    """Call the builder with torch's CPU generator seeded, on the CPU (or ``meta``), and check what it returns."""
+    import torch
+    from torch import nn
+
+    builder = load_builder(path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device("meta" if str(device) == "meta" else "cpu"):
+            model = builder(seed)
+    if not isinstance(model, nn.Module):
+        raise ModelSourceError(f"model {path!r}: the builder returned {type(model).__name__}, not a torch.nn.Module")
+    for attr in ("vocab_size", "max_seq_len"):
+        if not isinstance(getattr(model, attr, None), int):
+            raise ModelSourceError(
+                f"model {path!r}: the module has no int {attr!r} (the data it needs; see docs/methods.md)"
+            )
+    return model if str(device) in ("meta", "cpu") else model.to(device)
+
+
+def _declared_int(model: nn.Module, attr: str) -> int:
+    """An int the module declares about its data (checked by ``build_user_model``)."""
+    value = getattr(model, attr, None)
+    if not isinstance(value, int):
+        raise ModelSourceError(f"model attribute {attr!r} is not an int")
+    return value
+
+
+@cache
+def model_info(name: str) -> ModelInfo:
+    """A preset's figures, or a user model's measured on the ``meta`` device."""
+    if not is_builder_path(name):
+        if name not in PRESETS:
+            raise ModelSourceError(
+                f"unknown model {name!r}; allowed: {', '.join(PRESETS)}, or module:builder (your own)"
+            )
+        cfg = PRESETS[name]
+        return ModelInfo(name, cfg.num_parameters, cfg.vocab, cfg.seq, gpt=cfg)
+    import torch
+
+    try:
+        model = build_user_model(name, seed=0, device="meta")
+    except ModelSourceError:
+        raise
+    except Exception as exc:  # the builder's own failure, reported in one line
+        raise ModelSourceError(f"model {name!r}: the builder failed ({type(exc).__name__}: {exc})") from None
+    return ModelInfo(
+        name,
+        sum(_distinct_sizes(model)),
+        _declared_int(model, "vocab_size"),
+        _declared_int(model, "max_seq_len"),
+        gpt=None,
+        has_blocks=isinstance(getattr(model, "blocks", None), torch.nn.ModuleList),
+    )
+
+
+@cache
+def parameter_sizes(name: str) -> tuple[int, ...]:
+    """Elements of each distinct parameter, in ``parameters()`` order (a user's model measured on ``meta``): for
+    layouts that depend on single tensors (DeepSpeed keeps parameters below a size unpartitioned)."""
+    if not is_builder_path(name):
+        return PRESETS[name].parameter_sizes
+    return _distinct_sizes(build_user_model(name, seed=0, device="meta"))
+
+
+def _distinct_sizes(model: nn.Module) -> tuple[int, ...]:
+    unique = {id(p): p for p in model.parameters()}  # a shared (tied) weight counts once
+    return tuple(p.numel() for p in unique.values())
+
+
+def build(name: str, *, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+    """The model every implementation of a case starts from, identical on every rank."""
+    if is_builder_path(name):
+        return build_user_model(name, seed=seed, device=device)
+    from zbench.cases.models import build_model
+
+    return build_model(name, seed=seed, device=device)

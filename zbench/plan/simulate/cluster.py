@@ -1,0 +1,95 @@
+"""Cluster profiles for ``zbench plan --simulate``: one YAML file per kind of node, read and checked here.
+
+A profile says what the step-time model (``zbench.plan.simulate.step``) needs about a cluster: the GPU's peak and
+the share of it a transformer step reaches, the links inside a node and between nodes (bus bandwidth per GPU
+and per-hop latency, the alpha and beta of the alpha-beta model), the host link and the NVMe drives. The
+built-in profiles live beside this module (``clusters/*.yaml``); a user's file is given by its path.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+BUILT_IN = Path(__file__).with_name("clusters")
+
+
+class Link(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bandwidth_gb_s: float = Field(gt=0, description="bus bandwidth per GPU, GB/s (10^9 bytes), per direction")
+    latency_us: float = Field(ge=0, description="per step of a ring or tree, microseconds")
+
+
+class Cluster(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    description: str = ""
+    gpu: str
+    peak_tflops: float = Field(gt=0, description="dense peak at the training precision, 10^12 FLOP/s")
+    memory_gib: float = Field(gt=0)
+    efficiency: float = Field(gt=0, le=1, description="share of the peak a step's compute reaches")
+    gpus_per_node: int = Field(ge=1)
+    intra_node: Link
+    inter_node: Link
+    pcie_gb_s: float = Field(gt=0, description="host <-> GPU, per GPU")
+    nvme_gb_s_per_node: float = Field(gt=0)
+    host_adam_params_per_s: float = Field(gt=0, description="host optimizer speed per GPU's share of the cores")
+    overlap: float = Field(
+        default=1.0, ge=0, le=1, description="share of overlappable communication that runs beside compute"
+    )
+
+    def nodes(self, world: int) -> int:
+        return math.ceil(world / self.gpus_per_node)
+
+    def bandwidth(self, world: int) -> float:
+        """Bus bandwidth (bytes/s) of a collective over ``world`` ranks: its slowest link."""
+        gb_s = self.intra_node.bandwidth_gb_s
+        if self.nodes(world) > 1:
+            gb_s = min(gb_s, self.inter_node.bandwidth_gb_s)
+        return gb_s * 1e9
+
+    def ring_latency(self, world: int) -> float:
+        """Seconds of latency for one pass around a ring of ``world`` ranks: one hop per rank, one per node
+        boundary over the network."""
+        nodes = self.nodes(world)
+        inter_hops = nodes if nodes > 1 else 0
+        return ((world - 1 - inter_hops) * self.intra_node.latency_us + inter_hops * self.inter_node.latency_us) * 1e-6
+
+    def tree_latency(self, world: int) -> float:
+        """Seconds of latency down (or up) a tree: log2 levels inside a node, log2 levels across nodes."""
+        inside = math.ceil(math.log2(min(world, self.gpus_per_node)))
+        across = math.ceil(math.log2(self.nodes(world)))
+        return (inside * self.intra_node.latency_us + across * self.inter_node.latency_us) * 1e-6
+
+
+class ClusterError(ValueError):
+    """A profile that cannot be read; the message is one line."""
+
+
+def built_in_names() -> list[str]:
+    return sorted(p.stem for p in BUILT_IN.glob("*.yaml"))
+
+
+def load(name_or_path: str) -> Cluster:
+    """A built-in profile by name (``h100-sxm``) or a YAML file by path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = BUILT_IN / f"{name_or_path}.yaml"
+        if not path.exists():
+            raise ClusterError(f"unknown cluster {name_or_path!r}; built-in: {', '.join(built_in_names())}, or a file")
+    try:
+        data = yaml.safe_load(path.read_text())
+        return Cluster.model_validate(data)
+    except OSError as exc:
+        raise ClusterError(f"cluster file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ClusterError(f"cluster file {path}: not YAML ({str(exc).splitlines()[0]})") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise ClusterError(f"cluster file {path}: {where}: {first['msg']}") from None

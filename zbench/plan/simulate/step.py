@@ -1,0 +1,133 @@
+"""Step time of one traced case on a cluster: compute, an alpha-beta model of each traced collective, overlap, offload.
+
+The trace (``zbench.plan.trace.tracer``) says which collectives one rank issues per step, with their logical
+bytes (the ledger's counting: an all-gather its output, a reduce-scatter its input, an all-reduce twice its
+buffer) and the phase that issues them. Per rank these volumes do not depend on the world size (ZeRO's 2Ψ
+and 3Ψ), so one trace serves every world size of a sweep. The model (docs/methods.md#simulation):
+
+- compute: the model's training FLOPs per step over ``peak x efficiency``; a third is forward, two thirds
+  backward, plus one more forward with activation checkpointing;
+- a collective over ``p`` ranks at bus bandwidth ``B`` (the node's link when ``p`` fits in a node, else the
+  slower of node and network): ring all-gather / reduce-scatter ``L_ring + (p-1)/p S / B``; all-reduce the
+  faster of ring ``2 L_ring + (p-1)/p S / B`` and tree ``2 L_tree + S / B`` (``S``: the ledger's bytes,
+  already twice the buffer); broadcast ``L_tree + S / B``. ``L_ring`` is one hop per rank, at the node's
+  latency except one network hop per node; ``L_tree`` is log2 levels in the node plus log2 across nodes.
+  Every call pays its latency;
+- overlap: what forward issues hides behind forward compute, what backward issues behind backward compute
+  (scaled by the cluster's ``overlap``), except one call each (the first gather, the last bucket, which
+  nothing can hide); what comes after backward (ZeRO-1/2's parameter all-gather, the norm) is exposed;
+- offload: the PCIe and NVMe bytes the offload placement moves per step (from the ZeRO-Offload formulas,
+  not traced) and the host optimizer step, exposed (no overlap assumed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from zbench.plan.simulate.cluster import Cluster
+
+PHASES = ("forward", "backward", "after_backward")
+
+
+def collective_seconds(op: str, nbytes: float, count: int, world: int, cluster: Cluster) -> float:
+    """Time of ``count`` calls of ``op`` moving ``nbytes`` (the ledger's logical bytes) in all over ``world`` ranks."""
+    if world <= 1 or count == 0:
+        return 0.0
+    beta = 1 / cluster.bandwidth(world)
+    share = (world - 1) / world
+    if op == "all_reduce":  # NCCL picks the faster of ring and tree
+        ring = count * 2 * cluster.ring_latency(world) + share * nbytes * beta
+        tree = count * 2 * cluster.tree_latency(world) + nbytes * beta
+        return min(ring, tree)
+    if op == "broadcast":
+        return count * cluster.tree_latency(world) + nbytes * beta
+    return count * cluster.ring_latency(world) + share * nbytes * beta  # all_gather, reduce_scatter
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    world: int
+    compute_s: float
+    comm_s: float
+    """Every collective's time, hidden or not."""
+    exposed_comm_s: float
+    offload_s: float
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    comm_to_compute: float
+    hides_gathers: bool
+    """Forward and backward hide all their collectives but the one call each that nothing can hide."""
+    phase_comm_s: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def offload_seconds(*, params: int, world: int, stage: int, offload: str, cluster: Cluster) -> float:
+    """PCIe copies, NVMe reads and writes and the host optimizer step per step, from the offload placement."""
+    if offload == "none":
+        return 0.0
+    shard = params / world
+    pcie = 8 * shard  # fp32 gradient partition to the host, fp32 master partition back
+    nvme = 0.0
+    if offload == "optimizer+params" and stage == 3:
+        pcie += 2 * 2 * shard  # the bf16 parameter shard uploaded for each gather, forward and backward
+    if offload == "nvme":
+        nvme = 2 * 12 * shard  # optimizer state (8) and fp32 master (4) read and written back
+        if stage == 3:
+            nvme += 2 * 2 * shard  # parameter shard read for each gather
+    nvme_per_gpu = cluster.nvme_gb_s_per_node * 1e9 / min(world, cluster.gpus_per_node)
+    return pcie / (cluster.pcie_gb_s * 1e9) + nvme / nvme_per_gpu + shard / cluster.host_adam_params_per_s
+
+
+def _exposed(comm: float, calls: int, compute: float, overlap: float) -> tuple[float, bool]:
+    if calls == 0:
+        return 0.0, True
+    one = comm / calls
+    hidden_part = comm - one
+    return one + max(0.0, hidden_part - overlap * compute), hidden_part <= overlap * compute
+
+
+def estimate(
+    phases: dict[str, dict[str, dict[str, int]]],
+    *,
+    cluster: Cluster,
+    world: int,
+    flops_per_step: float,
+    params: int,
+    stage: int,
+    offload: str,
+    checkpointing: bool,
+    tokens_per_step: int,
+) -> StepEstimate:
+    """One rank's step at ``world`` ranks; ``flops_per_step`` and ``tokens_per_step`` are one rank's."""
+    rate = cluster.peak_tflops * 1e12 * cluster.efficiency
+    forward = flops_per_step / 3 / rate
+    backward = 2 * flops_per_step / 3 / rate + (forward if checkpointing else 0.0)
+    compute = forward + backward
+    per_phase = {
+        phase: sum(collective_seconds(op, e["bytes"], e["count"], world, cluster) for op, e in ops.items())
+        for phase, ops in phases.items()
+    }
+    calls = {phase: sum(e["count"] for e in ops.values()) for phase, ops in phases.items()}
+    exposed_f, hid_f = _exposed(per_phase.get("forward", 0.0), calls.get("forward", 0), forward, cluster.overlap)
+    exposed_b, hid_b = _exposed(per_phase.get("backward", 0.0), calls.get("backward", 0), backward, cluster.overlap)
+    exposed = exposed_f + exposed_b + per_phase.get("after_backward", 0.0)
+    off = offload_seconds(params=params, world=world, stage=stage, offload=offload, cluster=cluster)
+    step = compute + exposed + off
+    comm = sum(per_phase.values())
+    return StepEstimate(
+        world=world,
+        compute_s=compute,
+        comm_s=comm,
+        exposed_comm_s=exposed,
+        offload_s=off,
+        step_s=step,
+        tokens_per_s_per_gpu=tokens_per_step / step if step else float("inf"),
+        mfu=flops_per_step / step / (cluster.peak_tflops * 1e12) if step else 0.0,
+        comm_to_compute=comm / compute if compute else float("inf"),
+        hides_gathers=hid_f and hid_b,
+        phase_comm_s=per_phase,
+    )

@@ -1,0 +1,69 @@
+"""``zbench plan --simulate``: each traced case's step at every world size of a sweep, on one cluster profile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zbench.cases.model_source import model_info
+from zbench.plan.simulate.cluster import Cluster
+from zbench.plan.simulate.step import StepEstimate, estimate
+from zbench.plan.trace.plan import TracedRow
+
+#: The sweep ``--simulate`` runs unless told: one node to 128 nodes of 8.
+DEFAULT_SCALES = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass
+class SimulatedRow:
+    traced: TracedRow
+    estimates: list[StepEstimate]
+
+    @property
+    def name(self) -> str:
+        return self.traced.name
+
+    def first_exposed(self) -> int | None:
+        """The smallest world size of the sweep where forward or backward no longer hides its collectives."""
+        return next((e.world for e in self.estimates if not e.hides_gathers), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "implementation": self.traced.case.implementation,
+            "stage": self.traced.case.stage,
+            "offload": self.traced.case.offload,
+            "traced_at": self.traced.case.world_size,
+            "error": self.traced.trace.error,
+            "stops_hiding_at": self.first_exposed(),
+            "estimates": [e.to_json() for e in self.estimates],
+        }
+
+
+def simulate(rows: list[TracedRow], cluster: Cluster, scales: list[int]) -> list[SimulatedRow]:
+    out = []
+    for row in rows:
+        case = row.case
+        info = model_info(case.model)
+        tokens = case.micro_batch * case.grad_accum * case.seq_len
+        flops = info.flops_per_token(case.seq_len) * tokens
+        estimates = (
+            []
+            if row.trace.error
+            else [
+                estimate(
+                    row.trace.phases,
+                    cluster=cluster,
+                    world=world,
+                    flops_per_step=flops,
+                    params=info.parameters,
+                    stage=case.stage,
+                    offload=case.offload,
+                    checkpointing=case.activation_checkpointing,
+                    tokens_per_step=tokens,
+                )
+                for world in scales
+            ]
+        )
+        out.append(SimulatedRow(row, estimates))
+    return out

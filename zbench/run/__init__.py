@@ -1,0 +1,3 @@
+"""Running a suite end to end: case by case through the launcher, records aggregated and judged,
+progress on the terminal; also ``compare``, ``ab`` and the dry run.
+"""

@@ -1,0 +1,238 @@
+"""Pre-flight: everything that must hold before the first case runs, and the suite expanded into cases.
+
+Between parsing (``zbench.suite.config``) and running (``zbench.run.runner``): the device
+is resolved (``auto`` becomes ``cuda`` where a GPU is present), world sizes are
+checked against the GPUs present, every implementation is imported once (its
+capabilities travel with each case from here on), the axes are expanded into
+cases, and the NVMe directory is checked for room. Each failure is one
+``UsageError`` (exit 2) before anything has run or been written.
+
+Every case group (same model, world size, precision, ...) gets a DDP case,
+added if the suite does not list ``ddp``, because every case is checked against
+DDP. A combination an implementation does not support becomes a case that is
+*skipped* with the reason, never an error.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from zbench.cases import registry
+from zbench.cases.case import REFERENCE, Case
+from zbench.cases.formulas import offload_supported
+from zbench.cases.model_source import ModelSourceError, model_info
+from zbench.errors import UsageError
+from zbench.protocol import Capabilities, Implementation
+from zbench.suite import nvme
+from zbench.suite.config import ImplementationEntry, SuiteConfig, SuiteFile
+from zbench.values import DeviceKind
+
+#: The implementation that takes a suite's DeepSpeed config whole.
+DEEPSPEED = "deepspeed"
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A suite ready to run: its file, the device it runs on and every case in order."""
+
+    path: str | None
+    sha256: str
+    config: SuiteConfig
+    cases: tuple[Case, ...]
+
+
+def resolve_device(requested: str) -> DeviceKind:
+    """``auto`` becomes ``cuda`` where a GPU is present, else ``cpu``; ``cuda`` without one is bad input."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError(
+            "device 'cuda' requested but no CUDA GPU is available (torch.cuda.is_available() is False); "
+            "use device: cpu or auto"
+        )
+    if requested not in ("cpu", "cuda"):
+        raise UsageError(f"device {requested!r} is not one of auto, cpu, cuda")
+    return "cuda" if requested == "cuda" else "cpu"
+
+
+def local_ranks(device: str) -> int:
+    """What ``world_sizes: [auto]`` means here: every local GPU, or 2 ranks on CPU."""
+    import torch
+
+    return torch.cuda.device_count() if device == "cuda" else 2
+
+
+def resolved_world_sizes(config: SuiteConfig, device: str, nnodes: int = 1) -> list[int]:
+    """The suite's world sizes with ``auto`` made a number (the local ranks times the nodes), each once, in order."""
+    sizes = [local_ranks(device) * nnodes if w == "auto" else w for w in config.world_sizes]
+    return list(dict.fromkeys(sizes))
+
+
+def check_world_sizes(device: str, world_sizes: list[int], source: str, nnodes: int = 1) -> None:
+    """Every world size splits evenly over the nodes, and each node's share fits its GPUs."""
+    import torch
+
+    uneven = [w for w in world_sizes if w % nnodes]
+    if uneven:
+        raise UsageError(f"{source}: world size {uneven[0]} does not split evenly over {nnodes} nodes")
+    if device == "cuda":
+        have = torch.cuda.device_count()
+        too_big = [w for w in world_sizes if w // nnodes > have]
+        if too_big:
+            per_node = max(too_big) // nnodes
+            where = f" on each of {nnodes} nodes" if nnodes > 1 else ""
+            raise UsageError(f"{source}: world size {max(too_big)} needs {per_node} GPUs{where} but {have} present")
+
+
+def entries_with_reference(config: SuiteConfig) -> list[ImplementationEntry]:
+    """The suite's implementations, DDP first (added when the suite does not list it)."""
+    entries = list(config.implementations)
+    if not any(e.name == REFERENCE for e in entries):
+        entries.insert(0, ImplementationEntry(name=REFERENCE))
+    return sorted(entries, key=lambda e: e.name != REFERENCE)
+
+
+def resolve_implementations(names: list[str], source: str) -> dict[str, Implementation]:
+    """Import every implementation once; an unknown name or a broken import path is bad input."""
+    resolved = {}
+    for name in dict.fromkeys(names):
+        try:
+            resolved[name] = registry.resolve(name)
+        except LookupError as exc:
+            raise UsageError(f"{source}: implementations: {exc}") from None
+    return resolved
+
+
+def check_models(config: SuiteConfig, source: str) -> None:
+    """Import every model builder and measure its model on the meta device (the suite parser only checked names)."""
+    for model in config.models:
+        try:
+            info = model_info(model)
+        except ModelSourceError as exc:
+            raise UsageError(f"{source}: models: {exc}") from None
+        if config.seq_len is not None and config.seq_len > info.seq:
+            raise UsageError(f"{source}: seq_len {config.seq_len} exceeds model {model!r}'s max_seq_len {info.seq}")
+        if True in config.activation_checkpointing and info.gpt is None and not info.has_blocks:
+            raise UsageError(
+                f"{source}: activation_checkpointing: model {model!r} has no .blocks to checkpoint "
+                "(docs/methods.md#models-users-bring)"
+            )
+
+
+def deepspeed_settings(
+    config: SuiteConfig,
+    name: str,
+    caps: Capabilities,
+    stage: int,
+    offload: str,
+    options: dict[str, Any],
+    device: DeviceKind,
+) -> tuple[dict[str, Any], str, list[str]]:
+    """(options, offload, settings not applied) for one implementation of a suite that names a DeepSpeed config.
+
+    DeepSpeed gets the whole config (as its ``config`` option); any other implementation the settings that
+    correspond, running without offload where it lacks the config's mode (the offload keys then join
+    what it does not apply).
+    """
+    source = config.deepspeed_config
+    assert source is not None
+    if name == DEEPSPEED:
+        return {**options, "config": source.settings}, offload, list(source.not_applied_by_deepspeed)
+    not_applied = list(source.deepspeed_only)
+    lacks = offload not in caps.offload or device not in caps.offload_devices or offload_supported(stage, offload)
+    if offload != "none" and lacks:
+        zero = source.settings.get("zero_optimization", {})
+        not_applied += [f"zero_optimization.{k}" for k in ("offload_optimizer", "offload_param") if k in zero]
+        offload = "none"
+    return options, offload, sorted(not_applied)
+
+
+def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str, Implementation]) -> list[Case]:
+    """The cartesian product of the suite's axes as cases, DDP first in each group, unsupported ones skipped."""
+    cases = []
+    for model, world, precision, checkpointing, entry in itertools.product(
+        config.models,
+        config.world_sizes,
+        config.precisions,
+        config.activation_checkpointing,
+        entries_with_reference(config),
+    ):
+        caps = implementations[entry.name].capabilities
+        stages = entry.stages or sorted(caps.stages)
+        offloads = config.offload if entry.name != REFERENCE else ["none"]
+        from_deepspeed = config.deepspeed_config is not None and entry.name != REFERENCE
+        if from_deepspeed:
+            stages = [config.deepspeed_config.stage]  # type: ignore[union-attr]  # (checked just above)
+        for stage, offload in itertools.product(stages, offloads):
+            options, not_applied = dict(entry.options), list[str]()
+            if from_deepspeed:
+                options, offload, not_applied = deepspeed_settings(
+                    config, entry.name, caps, stage, offload, options, device
+                )
+            case = Case(
+                model=model,
+                implementation=entry.name,
+                stage=stage,
+                world_size=world,
+                precision=precision,
+                offload=offload,
+                device=device,
+                steps=config.steps,
+                warmup_steps=config.warmup_steps,
+                micro_batch=config.micro_batch,
+                grad_accum=config.grad_accum,
+                seq_len=config.seq_len or model_info(model).seq,
+                seed=config.seed,
+                timeout_s=config.timeout_s,
+                optimizer=config.optimizer.name,
+                lr=config.optimizer.lr,
+                weight_decay=config.optimizer.weight_decay,
+                momentum=config.optimizer.momentum,
+                grad_clip=config.grad_clip,
+                options=options,
+                not_applied=not_applied,
+                nvme_dir=config.nvme_dir,
+                target_loss=config.target_loss,
+                price_per_gpu_hour=config.price_per_gpu_hour,
+                keep_params=config.keep_params,
+                paired_rounds=config.paired_rounds,
+                paired_seconds=config.paired_seconds,
+                profile_steps=config.profile.steps if config.profile else [],
+                activation_checkpointing=checkpointing,
+                capabilities=caps,
+            )
+            reason = offload_supported(stage, offload) or caps.why_unsupported(
+                stage=stage,
+                precision=precision,
+                offload=offload,
+                device=device,
+                optimizer=case.optimizer,
+                grad_accum=case.grad_accum,
+                grad_clip=case.grad_clip,
+            )
+            cases.append(case if reason is None else case.model_copy(update={"skip_reason": reason}))
+            twin = case.twin() if config.noise_twin and case.is_reference and reason is None else None
+            if twin is not None:
+                cases.append(twin)
+    return cases
+
+
+def prepare(suite: SuiteFile, *, nnodes: int = 1) -> Suite:
+    """Check the machine against the suite and expand it; every problem is one ``UsageError`` naming the suite.
+
+    ``nnodes``: the nodes the run spans, each assumed to be like this one (as torchrun assumes).
+    """
+    source = suite.path or "suite"
+    device = resolve_device(suite.config.device)
+    world_sizes = resolved_world_sizes(suite.config, device, nnodes)
+    config = suite.config.model_copy(update={"world_sizes": world_sizes})
+    check_world_sizes(device, world_sizes, source, nnodes)
+    implementations = resolve_implementations([e.name for e in entries_with_reference(config)], source)
+    check_models(config, source)
+    cases = tuple(expand(config, device=device, implementations=implementations))
+    nvme.check_suite(cases, config.nvme_dir)
+    return Suite(path=suite.path, sha256=suite.sha256, config=config, cases=cases)
