@@ -6,6 +6,8 @@ import pytest
 
 from tests.conftest import zbench_many
 
+pytestmark = pytest.mark.heavy  # the heavy tier: `python -m pytest -m heavy`
+
 GOOD = "models: [tiny]\nimplementations: [ddp]\nworld_sizes: [2]\ndevice: cpu\n"
 NVME = GOOD.replace("[ddp]", "[zero2]") + "offload: [nvme]\n"
 

@@ -74,6 +74,7 @@ def test_heartbeat_off_a_terminal(env_run):
     assert all(line.rstrip().endswith(" s") for line in beats)
 
 
+@pytest.mark.heavy
 def test_every_results_reader_takes_the_option_the_argument_and_the_variable(env_run, tmp_path):
     _, tmp = env_run
     results = str(tmp / "results")

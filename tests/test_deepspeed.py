@@ -16,6 +16,8 @@ import pytest
 
 from tests.conftest import zbench
 
+pytestmark = pytest.mark.heavy  # the heavy tier: `python -m pytest -m heavy`
+
 pytest.importorskip("deepspeed")
 
 SUITE = """

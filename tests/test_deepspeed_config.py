@@ -100,6 +100,7 @@ def test_a_bad_config_is_one_line_and_exit_2(tmp_path):
         assert r.returncode == 2 and text in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@pytest.mark.heavy
 def test_one_config_across_deepspeed_zero3_fsdp2_and_fsdp1(tmp_path):
     pytest.importorskip("deepspeed")
     shutil.copy(CONFIG, tmp_path / "ds_zero3_offload.json")

@@ -155,6 +155,7 @@ def _same_as_one_node(one: dict[str, dict], other: dict[str, dict]) -> None:
         assert theirs["equivalence"]["equivalent"] == record["equivalence"]["equivalent"], case_id
 
 
+@pytest.mark.heavy
 def test_two_nodes_give_the_single_node_verdicts_losses_and_traffic(runs):
     (single, one), ((node0, node1), two) = runs["one"], runs["two"]
     assert single.returncode == 0, single.stderr[-3000:]
@@ -168,6 +169,7 @@ def test_two_nodes_give_the_single_node_verdicts_losses_and_traffic(runs):
     assert not (two / "node1").exists() or not any((two / "node1").iterdir())  # node 1 keeps nothing
 
 
+@pytest.mark.heavy
 def test_a_multi_node_run_records_every_node_and_is_its_own_machine(runs):
     (_, one), (_, two) = runs["one"], runs["two"]
     info = run_info(two)
@@ -180,6 +182,7 @@ def test_a_multi_node_run_records_every_node_and_is_its_own_machine(runs):
     assert machine_fingerprint(single) != machine_fingerprint(double)  # a baseline from one node never gates two
 
 
+@pytest.mark.heavy
 def test_srun_gives_the_single_node_numbers(runs):
     (_, one), (srun, srun_dir) = runs["one"], runs["srun"]
     assert srun.returncode == 0, srun.stderr[-3000:]
@@ -189,6 +192,7 @@ def test_srun_gives_the_single_node_numbers(runs):
     assert not [p for p in run.iterdir() if p.name.startswith("zbench-")]  # the cases' shared directories are gone
 
 
+@pytest.mark.heavy
 def test_srun_names_the_rank_killed_by_a_signal(runs):
     result, results = runs["srun-kill"]
     assert result.returncode == 1, result.stderr[-3000:]
@@ -199,6 +203,7 @@ def test_srun_names_the_rank_killed_by_a_signal(runs):
     assert got["ddp"]["status"] == "ok"
 
 
+@pytest.mark.heavy
 def test_a_rank_killed_on_node_1_fails_its_case_by_name_and_the_suite_goes_on(tmp_path):
     suite = tmp_path / "kill.yaml"
     suite.write_text(KILL_SUITE)
@@ -219,6 +224,7 @@ def test_a_rank_killed_on_node_1_fails_its_case_by_name_and_the_suite_goes_on(tm
     assert got["torch_zero"]["equivalence"]["equivalent"] is True
 
 
+@pytest.mark.heavy
 def test_a_node_that_never_comes_is_one_line_after_the_timeout(tmp_path):
     port = free_port()
     result = zbench(

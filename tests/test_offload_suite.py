@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import zbench
 
+pytestmark = pytest.mark.heavy  # the heavy tier: `python -m pytest -m heavy`
+
 SUITE = """
 name: offload-check
 description: every offload mode, tiny model

@@ -402,6 +402,7 @@ def ab_runs(tmp_path_factory):
     return tmp, slowed, same
 
 
+@pytest.mark.heavy
 def test_ab_fails_the_slower_head_and_writes_the_comment(ab_runs):
     tmp, slowed, _ = ab_runs
     assert slowed.returncode == 1, slowed.stderr[-3000:]
@@ -415,6 +416,7 @@ def test_ab_fails_the_slower_head_and_writes_the_comment(ab_runs):
     assert len(list((tmp / "r1" / "base").iterdir())) == 2 and len(list((tmp / "r1" / "head").iterdir())) == 2
 
 
+@pytest.mark.heavy
 def test_ab_of_identical_checkouts_passes(ab_runs):
     _, _, same = ab_runs
     assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-3000:]

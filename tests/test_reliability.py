@@ -14,6 +14,8 @@ import pytest
 
 from tests.conftest import ROOT, child_env, zbench, zbench_many
 
+pytestmark = pytest.mark.heavy  # the heavy tier: `python -m pytest -m heavy`
+
 SUITE = """
 device: cpu
 models: tiny

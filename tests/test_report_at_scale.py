@@ -22,7 +22,7 @@ from tests.browser import Browser, PageView, follow, launch, local_links, url_pa
 from tests.conftest import zbench
 from tests.report_data import configurations, stored_run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 CASES = 500
 SLOWER = frozenset({3, 17})

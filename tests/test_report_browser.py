@@ -26,7 +26,7 @@ from zbench.results.run_info import Environment, RunInfo, SuiteInfo
 from zbench.results.store import RunDir
 from zbench.values import CATEGORIES, LOCATIONS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 #: Shown on the page as the implementation's name: it must stay text, never run.
 SCRIPT = "<script>alert(1)</script>"

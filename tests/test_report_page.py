@@ -52,6 +52,7 @@ def stored_run(root: Path) -> None:
     run.write_case(record())
 
 
+@pytest.mark.heavy
 def test_the_report_shows_cost_only_with_a_price(tmp_path):
     stored_run(tmp_path / "results")
     plain = zbench("report", str(tmp_path / "results"), "--report", str(tmp_path / "plain"))

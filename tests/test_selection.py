@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from tests.conftest import ROOT, zbench, zbench_many
 from zbench.suite.config import from_dict, with_overrides
 from zbench.suite.selection import select
@@ -33,6 +35,7 @@ def test_the_issue_command_lists_what_it_would_run():
     assert "nothing was run" in r.stdout and re.search(r"\d+ would run, \d+ skipped", r.stdout)
 
 
+@pytest.mark.heavy
 def test_a_dry_run_lists_exactly_what_the_run_then_runs(tmp_path):
     """``-k zero2`` keeps zero2 and the DDP reference and noise twin it is judged against, nothing else."""
     dry = zbench("run", SCALING, *HERE, "-k", "zero2", "--dry-run")
@@ -57,6 +60,7 @@ def test_a_case_too_big_for_the_machine_says_so():
     assert row.rstrip(" │").endswith("NO") and "predicted not to fit" in r.stdout
 
 
+@pytest.mark.heavy
 def test_bad_overrides_and_patterns_are_one_line_and_exit_2():
     bad = {
         "nomatch": (["-k", "zer0"], "-k zer0: matches none of the suite's"),

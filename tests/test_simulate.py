@@ -104,6 +104,7 @@ def test_simulate_cli_sweeps_from_one_trace_and_says_where_hiding_stops(cli, tmp
     assert rows["zero3"]["stops_hiding_at"] in (8, 1024)  # tiny: latency-bound, gathers cannot hide
 
 
+@pytest.mark.heavy
 def test_one_trace_serves_every_world_size(cli):
     """The per-rank volumes a trace records do not depend on the world size: traced at 8 and at 64, the
     predictions at 1,024 agree (within the flat buffers' padding)."""

@@ -22,6 +22,7 @@ def test_correct_implementation_passes_with_every_check():
     )
 
 
+@pytest.mark.heavy
 def test_weight_decay_bug_passes_without_weight_decay_and_fails_with_it():
     """The bug only exists when weight decay does: the API must pass the setting through to catch it."""
     assert_equivalent_to_ddp(WRONG, options={"bug": "wd_skips_norms"}, steps=6, weight_decay=0.0)
@@ -37,6 +38,7 @@ def test_bad_setting_is_one_clear_error():
 CONFIG = Path(__file__).parent / "data" / "ds_zero3_offload.json"
 
 
+@pytest.mark.heavy
 def test_a_deepspeed_config_sets_what_it_says():
     """The documentation's stage-3 optimizer-offload config, on the reference engine: stage 3, bf16, offload,
     micro-batch 2 and clipping 1.0 all come from the file."""

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.heavy  # the heavy tier: `python -m pytest -m heavy`
+
 ENGINES = ("ddp", "fsdp", "torch_zero", "zero1", "zero2", "zero3")
 TIES = ("embedding", "blocks", "both", "embedding+ckpt", "both+ckpt")
 STEPS = 6

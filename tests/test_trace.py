@@ -127,6 +127,7 @@ def traced(tmp_path_factory):
     return {w: (groups[w][0], fake_by_world[str(w)]) for w in WORLDS}  # rank 0 of each
 
 
+@pytest.mark.heavy  # real runs beside traces, at worlds 2 and 4
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"w{w}")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: key(*c))
 def test_fake_trace_sees_what_a_real_run_sees(traced, case, world):
@@ -146,6 +147,7 @@ def real_peaks(real: dict, case: tuple) -> list[int]:
     return [real[run]["peak"]["device"]["bytes"] for run in runs]
 
 
+@pytest.mark.heavy  # real runs beside traces, at worlds 2 and 4
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"w{w}")
 @pytest.mark.parametrize("case", list(REPEATS), ids=lambda c: key(*c))
 def test_the_trace_is_the_floor_of_a_peak_that_moves_from_run_to_run(traced, case, world):
@@ -156,6 +158,7 @@ def test_the_trace_is_the_floor_of_a_peak_that_moves_from_run_to_run(traced, cas
     assert all(p >= 0.98 * fake_peak for p in peaks), (peaks, fake_peak)  # never below the trace
 
 
+@pytest.mark.heavy  # real runs beside traces, at worlds 2 and 4
 @pytest.mark.parametrize(
     "case", [c for c in CASES if c[0] == "small" and c[1] not in TIMING_FREE], ids=lambda c: key(*c)
 )
@@ -193,6 +196,7 @@ def test_live_bytes_counts_frees_roles_and_resizes():
         del big, w
 
 
+@pytest.mark.heavy
 def test_plan_trace_cli_every_builtin_at_8_ranks(cli):
     r = cli("plan", "--trace", "--model", "tiny", "--gpus", "8", "--json")
     assert r.returncode == 0, r.stderr
@@ -207,6 +211,7 @@ def test_plan_trace_cli_every_builtin_at_8_ranks(cli):
         assert row["trace"]["comm_elements"] > 0
 
 
+@pytest.mark.heavy
 def test_plan_trace_bad_input(cli):
     assert cli("plan", "--trace", "--params", "7e9").returncode == 2
     r = cli("plan", "--trace", "--model", "tiny", "-i", "nope")

@@ -13,6 +13,8 @@ from tests.conftest import zbench
 from zbench.results.record import CaseRecord
 from zbench.results.store import RunDir
 
+pytestmark = pytest.mark.heavy  # the heavy tier: `python -m pytest -m heavy`
+
 BUILDER = "tests.plugins.user_models:shared_blocks"
 SUITE = f"""
 name: user-model

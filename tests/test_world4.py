@@ -8,6 +8,8 @@ import pytest
 
 from tests.conftest import zbench
 
+pytestmark = pytest.mark.heavy  # the heavy tier: `python -m pytest -m heavy`
+
 SUITE = """
 name: world4
 device: cpu

@@ -18,6 +18,8 @@ import pytest
 from tests.conftest import zbench
 from tests.plugins.wrong import MANUAL_BUGS, ZERO_BUGS
 
+pytestmark = pytest.mark.heavy  # the heavy tier: `python -m pytest -m heavy`
+
 PLUGIN = "tests.plugins.wrong"
 BUGS = [b for b in MANUAL_BUGS if b != "none"] + [b for b in ZERO_BUGS if b != "none"]
 CORRECT = ["manual-none", "zero_wrong-none"]

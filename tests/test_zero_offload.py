@@ -227,6 +227,7 @@ def _vs_ddp(result: dict, k: str) -> dict:
 # --- equivalence with DDP ---------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("impl,offload", PAIRS)
 def test_fp32_offload_matches_ddp(runs, impl, offload):
     result = runs[2][0]["fp32"]
@@ -236,6 +237,7 @@ def test_fp32_offload_matches_ddp(runs, impl, offload):
     assert_matches_ddp(_vs_ddp(result, k), k, tol=FP32_TOL)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("impl,offload", scenarios(2)["bf16"]["pairs"])
 def test_bf16_offload_close_to_ddp_autocast(runs, impl, offload):
     from zbench.cases.models import build_model
@@ -246,6 +248,7 @@ def test_bf16_offload_close_to_ddp_autocast(runs, impl, offload):
     assert update_error(result[k]["params"], result["ddp"]["params"], initial) <= MIXED_UPDATE_TOL
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("impl,offload", scenarios(2)["accum_clip"]["pairs"])
 def test_offload_with_accumulation_and_clipping_matches_ddp(runs, impl, offload):
     result, k = runs[2][0]["accum_clip"], key(impl, offload)
@@ -254,6 +257,7 @@ def test_offload_with_accumulation_and_clipping_matches_ddp(runs, impl, offload)
     assert all(n > 0.5 for n in norms), f"clipping at 0.5 never engaged: pre-clip norms {norms}"
 
 
+@pytest.mark.heavy
 def test_fp16_loss_scaling_with_nvme(runs):
     from zbench.cases.models import build_model
 
@@ -264,6 +268,7 @@ def test_fp16_loss_scaling_with_nvme(runs):
     assert all(m["overflow"] == 0.0 and m["loss_scale"] == 2.0**16 for m in result[k]["metrics"])
 
 
+@pytest.mark.heavy
 def test_fp16_overflow_skips_the_streamed_step(runs):
     result = runs[2][0]["fp16_overflow"]
     rec = result["zero2/nvme"]
@@ -277,6 +282,7 @@ def test_fp16_overflow_skips_the_streamed_step(runs):
 # --- checkpoints ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("k,resumed_as", RESUMES.items())
 def test_checkpoint_round_trip(runs, k, resumed_as):
     """Saved with the state read back from host or disk; resumed (under the same or another mode) identically."""
@@ -289,6 +295,7 @@ def test_checkpoint_round_trip(runs, k, resumed_as):
 # --- what a rank holds, and where ---------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "world,scenario,precision", [(2, "fp32", "fp32"), (2, "bf16", "bf16"), (4, "fp32", "fp32"), (4, "bf16", "bf16")]
 )
@@ -329,6 +336,7 @@ def test_state_bytes_by_location_match_placement(runs, world, scenario, precisio
 # --- nvme files -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("world", WORLDS)
 def test_nvme_files_are_removed_by_close(runs, world):
     for rank in range(world):
