@@ -76,6 +76,7 @@ def test_what_cannot_be_mapped_is_refused(settings, message):
         map_config(settings)
 
 
+@pytest.mark.heavy
 def test_a_bad_config_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "typo.json").write_text(json.dumps({"zero_optimisation": {"stage": 2}}))
     (tmp_path / "broken.json").write_text("{not json")

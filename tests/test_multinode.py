@@ -247,6 +247,7 @@ BAD_FLAGS = [
 ]
 
 
+@pytest.mark.heavy
 def test_bad_multi_node_flags_are_one_line(tmp_path):
     smoke = str(ROOT / "suites" / "smoke.yaml")
     results = zbench_many([["run", smoke, *flags, "--results", str(tmp_path)] for flags, _ in BAD_FLAGS])

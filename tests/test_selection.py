@@ -26,6 +26,7 @@ def listed_cases(stdout: str) -> list[str]:
     return re.findall(r"^│ (tiny-\S+)", stdout, flags=re.MULTILINE)
 
 
+@pytest.mark.heavy
 def test_the_issue_command_lists_what_it_would_run():
     r = zbench("run", SCALING, "--set", "world_sizes=[2]", "--set", "device=cpu", "-k", "gpt-125m", "--dry-run")
     assert r.returncode == 0, r.stderr

@@ -268,6 +268,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.heavy
 def test_what_is_held_between_steps_is_the_model_states():
     """Held between steps = the model states (+ the batch), for every layout; a buffer freed in place and
     re-allocated during the step (ZeRO-3's and FSDP2's gathered parameters) is not held. A DTensor (FSDP2's parameters,
