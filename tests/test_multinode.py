@@ -295,7 +295,7 @@ def test_files_larger_than_a_store_message_reach_node_0_whole(tmp_path):
     payload = os.urandom(5 * CHUNK_BYTES + 12345)  # 20 MiB and a ragged end
     params.write_bytes(payload)
     os.utime(params, ns=(1_000_000_000, 1_000_000_000))
-    key = "zbench/cases/case/1/from/1"
+    key = "zbench/case/1/from/1"
     report = NodeReport(node_rank=1, failures={1: -9}, files=[follower._send(params, f"{key}/file0")])
     client.set(key, report.model_dump_json())
     leader._seq = 1  # as if node 0 had announced case 1

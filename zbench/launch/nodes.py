@@ -146,13 +146,13 @@ class NodeGroup:
     def announce(self, task: WorkerTask, run_id: str) -> None:
         """Hand the next case to the followers (node 0)."""
         self._seq += 1
-        self.store.set(f"zbench/cases/case/{self._seq}", f"{run_id}\n{task.model_dump_json()}")
+        self.store.set(f"zbench/case/{self._seq}", f"{run_id}\n{task.model_dump_json()}")
 
     def collect(self, files: CaseFiles, *, timeout_s: float) -> RemoteRanks:
         """Wait for every follower's report of the case just announced and put its files into ``files`` (node 0)."""
         merged = RemoteRanks()
         for node in range(1, self.rendezvous.nnodes):
-            key = f"zbench/cases/case/{self._seq}/from/{node}"
+            key = f"zbench/case/{self._seq}/from/{node}"
             try:
                 self.store.wait([key], datetime.timedelta(seconds=timeout_s + REPORT_GRACE_S))
             except (RuntimeError, TimeoutError):
@@ -176,7 +176,7 @@ class NodeGroup:
 
     def finish(self) -> None:
         """Tell the followers the suite is over and give them a moment to read it before the store goes (node 0)."""
-        self.store.set(f"zbench/cases/case/{self._seq + 1}", _DONE)
+        self.store.set(f"zbench/case/{self._seq + 1}", _DONE)
         keys = [f"zbench/bye/{node}" for node in range(1, self.rendezvous.nnodes)]
         try:
             self.store.wait(keys, datetime.timedelta(seconds=WAIT_SLICE_S))
@@ -197,7 +197,7 @@ class NodeGroup:
             run_id, task_json = message.split("\n", 1)
             task = WorkerTask.model_validate_json(task_json)
             on_case(task, "started")
-            key = f"zbench/cases/case/{seq}/from/{self.rendezvous.node_rank}"
+            key = f"zbench/case/{seq}/from/{self.rendezvous.node_rank}"
             try:
                 report = self._run_local(task, run_id, key)
                 self.store.set(key, report.model_dump_json())  # last: node 0 reads the files once it sees this
@@ -206,7 +206,7 @@ class NodeGroup:
             on_case(task, "failed" if report.failures or report.error or report.timed_out else "done")
 
     def _next(self, seq: int) -> str:
-        key = f"zbench/cases/case/{seq}"
+        key = f"zbench/case/{seq}"
         while True:
             try:
                 self.store.wait([key], datetime.timedelta(seconds=WAIT_SLICE_S))
