@@ -284,3 +284,32 @@ def test_what_is_held_between_steps_is_the_model_states():
         grads = trace["state_bytes"]["gradients"]["device"]  # zero_grad(set_to_none) may free them before the peak
         held = trace["peak"]["device"]["roles"]["held between steps"]
         assert states - grads <= held <= 1.15 * states + 65536, (impl, held, states)
+
+
+def test_the_heartbeat_says_what_the_trace_does_until_it_ends():
+    import time
+
+    from zbench.plan.trace.heartbeat import Heartbeat
+
+    lines: list[str] = []
+    with Heartbeat(lines.append, every_s=0.02) as beat:
+        beat.task("zero3 stage 3 offload none")
+        beat.phase("step 2 of 3")
+        time.sleep(0.3)
+    said = len(lines)
+    time.sleep(0.1)
+    assert said >= 3 and len(lines) == said  # it beat while open, and stopped with the block
+    assert lines[-1].startswith("  zero3 stage 3 offload none: step 2 of 3 (") and lines[-1].endswith(" s)")
+
+
+def test_plan_trace_with_json_beats_on_stderr_and_keeps_stdout_json():
+    """A trace of minutes must not be silent, also with --json: progress and heartbeat on stderr only."""
+    r = subprocess.run(
+        [sys.executable, "-m", "zbench", "plan", "--trace", "--model", "tiny", "--gpus", "8", "-i", "zero3",
+         "-o", "none", "--json"],
+        env=child_env(ZBENCH_HEARTBEAT_S="0.05"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["rows"][0]["implementation"] == "zero3"
+    assert "[1/1] tracing zero3 stage 3 offload none" in r.stderr
+    assert "  zero3 stage 3 offload none: " in r.stderr  # at least one heartbeat line

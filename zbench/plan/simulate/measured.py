@@ -87,6 +87,7 @@ def trace_records(records: list[CaseRecord], progress: Callable[[str], None] = l
     backend the case ran on (gloo on CPU, NCCL on GPUs: the reference engine takes another path per backend)."""
     import torch
 
+    from zbench.plan.trace.heartbeat import Heartbeat
     from zbench.plan.trace.shims import fake_world
     from zbench.plan.trace.tracer import trace_case
 
@@ -95,12 +96,14 @@ def trace_records(records: list[CaseRecord], progress: Callable[[str], None] = l
 
     traced: dict[str, TracedRow] = {}
     for world, name in sorted({(r.config.world_size, backend(r)) for r in records}):
-        with fake_world(world, backend=name):
+        with fake_world(world, backend=name), Heartbeat(progress) as beat:
             for record in records:
                 if record.config.world_size == world and backend(record) == name and record.status == "ok":
                     progress(f"tracing {record.case_id}")
                     case = record.config
-                    traced[case.case_id] = TracedRow(case, trace_case(case, fake=True, device=torch.device("cpu")))
+                    beat.task(case.case_id)
+                    trace = trace_case(case, fake=True, device=torch.device("cpu"), on_phase=beat.phase)
+                    traced[case.case_id] = TracedRow(case, trace)
     return traced
 
 
