@@ -134,3 +134,33 @@ def test_plan_and_compare_share_the_default_precision():
         return inspect.signature(fn).parameters["precision"].default
 
     assert default(plan.plan) == default(compare.compare) == options.DEFAULT_PRECISION
+
+
+def run_in_process(argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
+    """``zbench ARGV`` through the installed entry point, in this process (no torch import to pay again)."""
+    from zbench.cli import main
+
+    monkeypatch.setenv("COLUMNS", "250")
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    return exited.value.code, capsys.readouterr().out
+
+
+def test_list_names_every_builtin_every_preset_and_the_suites(capsys, monkeypatch):
+    from zbench.implementations import BUILTIN
+    from zbench.presets import PRESETS
+
+    code, out = run_in_process(["list", "--suites", str(ROOT / "suites")], capsys, monkeypatch)
+    assert code == 0
+    assert all(f"│ {name} " in out for name in BUILTIN) and all(f"│ {name} " in out for name in PRESETS)
+    assert "suites/smoke.yaml" in out
+
+
+def test_env_json_says_what_zbench_sees(capsys, monkeypatch):
+    import torch
+
+    code, out = run_in_process(["env", "--json"], capsys, monkeypatch)
+    info = json.loads(out)
+    assert code == 0 and info["torch"] == torch.__version__ and info["backends"]["gloo"] is True
+    code, out = run_in_process(["env"], capsys, monkeypatch)
+    assert code == 0 and f"torch: {torch.__version__}" in out

@@ -293,7 +293,6 @@ def test_report_command_rerenders(suite_run, tmp_path):
     assert (tmp_path / "index.html").stat().st_size > 10_000 and list(tmp_path.glob("plotly-*.min.js"))
 
 
-@pytest.mark.heavy
 def test_report_simulate_stores_predictions_beside_the_run_and_shows_them(suite_run, tmp_path):
     """`report --simulate` traces every finished case, predicts its step time, stores simulation.json, renders it."""
     import shutil
