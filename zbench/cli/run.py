@@ -220,8 +220,9 @@ def _print_dry_run(cases: tuple[Case, ...], nnodes: int) -> None:
         would = f"skip: {r.case.skip_reason}" if r.case.skip_reason else "run"
         fits = {True: "yes", False: "NO", None: "-"}[r.fits]
         table.add_row(r.case.case_id, would, fmt_bytes(r.device_bytes), fmt_bytes(r.capacity_bytes), fits)
-    stdout().print(table)
+    out = stdout()
+    out.print(table)
     running = [r for r in rows if not r.case.skip_reason]
     too_big = [r.case.case_id for r in running if r.fits is False]
     summary = f"{len(running)} would run, {len(rows) - len(running)} skipped"
-    stdout().print(summary + (f"; {len(too_big)} predicted not to fit: {', '.join(too_big)}" if too_big else ""))
+    out.print(summary + (f"; {len(too_big)} predicted not to fit: {', '.join(too_big)}" if too_big else ""))
