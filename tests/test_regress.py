@@ -256,6 +256,24 @@ def test_check_finds_memory_growth_equivalence_and_status_failures(tmp_path):
     assert crash.verdict == "fail" and crash.failed[0].candidate == "oom"
 
 
+def test_check_cli_gates_stored_runs_end_to_end(tmp_path):
+    """``zbench check`` as a user runs it, on stored runs (the fast tier's gate; real runs: the heavy tier below):
+    a 30% slower zero2 fails naming the case, with a markdown summary; a rerun of the same speed passes."""
+    rng = np.random.default_rng(11)
+    base = paired_run(tmp_path, "base", rng)
+    slow, same = paired_run(tmp_path, "slow", rng, slowdown=1.3), paired_run(tmp_path, "same", rng)
+    md = tmp_path / "summary.md"
+    r = zbench("check", str(slow.path), "--baseline", str(base.path), "--json", "--markdown", str(md))
+    assert r.returncode == 1, r.stderr
+    out = json.loads(r.stdout)
+    assert out["verdict"] == "fail"
+    regressed = {f["case_id"] for f in out["findings"] if f["kind"] == "regression"}
+    assert regressed and all("zero2" in c for c in regressed), out["findings"]
+    assert "zero2" in md.read_text() and "zbench check" in md.read_text()
+    ok = zbench("check", str(same.path), "--baseline", str(base.path))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
 # --- two real runs ------------------------------------------------------------------------------------------
 
 SUITE = """
@@ -274,6 +292,8 @@ regression: {time_pct: 25}
 """
 
 
+# Three suite runs (a minute and more on two cores): the heavy tier. The fast tier gates end to end through
+# tests/test_records.py (``zbench check`` of a stored run) and judges synthetic records here.
 @pytest.fixture(scope="module")
 def three_runs(tmp_path_factory):
     """Baseline, the same suite with one implementation slowed, and an unchanged rerun; each in its own results dir."""
@@ -291,6 +311,7 @@ def three_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.heavy
 def test_slowed_run_fails_the_gate_naming_the_case(three_runs, tmp_path):
     base, slow, _ = three_runs
     md = tmp_path / "summary.md"
@@ -304,6 +325,7 @@ def test_slowed_run_fails_the_gate_naming_the_case(three_runs, tmp_path):
     assert "FAULTY" in md.read_text() and "zbench check" in md.read_text()
 
 
+@pytest.mark.heavy
 def test_unchanged_rerun_passes(three_runs):
     base, _, again = three_runs
     r = zbench("check", str(again), "--baseline", str(base), "--json")
@@ -311,6 +333,7 @@ def test_unchanged_rerun_passes(three_runs):
     assert json.loads(r.stdout)["verdict"] == "pass"
 
 
+@pytest.mark.heavy
 def test_baseline_runs_pool_and_foreign_suites_are_refused(three_runs, tmp_path):
     base, slow, again = three_runs
     r = zbench("check", str(slow), "--baseline", str(base), "--baseline", str(again.parent), "--json")
@@ -328,12 +351,14 @@ def test_baseline_runs_pool_and_foreign_suites_are_refused(three_runs, tmp_path)
     assert r.returncode == 2 and "a run of suite 'another'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.heavy
 def test_check_without_any_baseline_is_bad_input(three_runs):
     base, _, _ = three_runs
     r = zbench("check", str(base))
     assert r.returncode == 2 and "no baseline" in r.stderr
 
 
+@pytest.mark.heavy
 def test_report_draws_history_with_the_regression_marked(three_runs, tmp_path):
     import shutil
 
@@ -347,6 +372,7 @@ def test_report_draws_history_with_the_regression_marked(three_runs, tmp_path):
     assert "Regressions against the run before" in html and "FAULTY" in html.split("Regressions against")[1][:2000]
 
 
+@pytest.mark.heavy
 def test_history_loader_keys_points_by_commit(three_runs, tmp_path):
     from zbench.report.history import case_history
 

@@ -127,6 +127,6 @@ def test_trace_on_cuda_without_cuda_is_refused_in_one_line(cli):
     from zbench.plan.trace.plan import cuda_traceable
 
     if cuda_traceable():
-        pytest.skip("this torch is built with CUDA: --device cuda traces (tests/test_gpu.py)")
+        pytest.skip("a GPU is visible: --device cuda traces (tests/test_gpu.py)")
     r = cli("plan", "--trace", "--model", "tiny", "--device", "cuda", "-i", "ddp")
     assert r.returncode == 2 and "--device cuda" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -171,6 +171,35 @@ def test_on_a_free_running_network_the_trace_is_the_peaks_lower_end(traced, case
     assert 0.75 * real_peak <= fake_peak <= 1.02 * real_peak, (real_peak, fake_peak)
 
 
+@pytest.mark.parametrize("model", ["tiny-tied", "tests.plugins.user_models:shared_blocks"])
+def test_fake_models_move_to_cuda_with_shared_weights_kept(model):
+    """A fake model built on the CPU moves to fake ``cuda`` (presets and user builders): torch 2.14's
+    ``Module.to`` swaps fake parameters in place, which the fake mode's weak references forbid ("Couldn't swap
+    Embedding.weight", every trace on a CUDA build); ``to_device`` replaces them, a tied weight once. A CPU-only
+    torch has no fake ``cuda`` to move to: this runs in CI's second environment (the newest CUDA build)."""
+    import torch
+
+    if not torch.cuda._is_compiled():
+        pytest.skip("this torch is built without CUDA: no fake cuda device to move to")
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from zbench.cases.model_source import build
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = build(model, seed=0, device="cuda")
+    real = build(model, seed=0)
+    assert all(isinstance(p, FakeTensor) and p.device.type == "cuda" for p in fake.parameters())
+    assert [(n, p.shape, p.requires_grad) for n, p in fake.named_parameters()] == [
+        (n, p.shape, p.requires_grad) for n, p in real.named_parameters()
+    ]
+    shared = {n for n, _ in real.named_parameters(remove_duplicate=False)} - dict(real.named_parameters()).keys()
+    assert shared  # both models share weights: the move must keep them shared
+    for name in shared:
+        owner = dict(real.named_parameters())
+        twin = next(n for n in owner if real.get_parameter(n) is real.get_parameter(name))
+        assert fake.get_parameter(name) is fake.get_parameter(twin)
+
+
 def test_live_bytes_counts_frees_roles_and_resizes():
     """The accounting itself, on real tensors: a planted leak, a free, an activation and a resized storage."""
     import torch

@@ -92,7 +92,11 @@ def build_user_model(path: str, *, seed: int, device: torch.device | str = "cpu"
             raise ModelSourceError(
                 f"model {path!r}: the module has no int {attr!r} (the data it needs; see docs/methods.md)"
             )
-    return model if str(device) in ("meta", "cpu") else model.to(device)
+    if str(device) == "meta":
+        return model
+    from zbench.cases.models import to_device
+
+    return to_device(model, device)
 
 
 def _declared_int(model: nn.Module, attr: str) -> int:

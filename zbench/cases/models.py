@@ -12,7 +12,7 @@ configurations, importable without torch).
 from __future__ import annotations
 
 from functools import partial
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from zbench.presets import GPTConfig, get_config
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 class Block(nn.Module):
@@ -73,7 +75,35 @@ def build_model(name: str, *, seed: int, device: torch.device | str = "cpu") -> 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT(cfg)
-    return model if torch.device(device) == torch.device("cpu") else model.to(device)
+    return to_device(model, device)
+
+
+def to_device(model: _M, device: torch.device | str) -> _M:
+    """``model`` on ``device``: ``Module.to`` for real tensors; for fake ones (tracing), each parameter and buffer
+    replaced by its moved copy, a shared (tied) one once.
+
+    Since torch 2.14 ``Module.to`` swaps a fake parameter for its moved copy in place
+    (``torch.utils.swap_tensors``), which the fake mode's own weak references to its tensors forbid
+    ("Couldn't swap Embedding.weight"); replacing the parameter, as ``Module.to`` did before, keeps what
+    the trace needs: the same modules holding tensors of the same shapes, tied weights still tied.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if torch.device(device) == torch.device("cpu"):
+        return model
+    if not any(isinstance(t, FakeTensor) for t in (*model.parameters(), *model.buffers())):
+        return model.to(device)
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in moved:
+                    moved[id(param)] = nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
+                module._parameters[name] = moved[id(param)]  # type: ignore[assignment]
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = moved.setdefault(id(buffer), buffer.to(device))
+    return model
 
 
 def checkpoint_blocks(model: nn.Module) -> nn.Module:

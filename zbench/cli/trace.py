@@ -52,8 +52,8 @@ def plan_trace(req: TraceRequest) -> None:
     from zbench.plan.trace import plan as trace_mod
 
     dev = trace_mod.default_device() if req.device == "auto" else req.device
-    if dev == "cuda" and not trace_mod.cuda_traceable():
-        raise UsageError("--device cuda: this torch is built without CUDA; trace with --device cpu")
+    if dev == "cuda" and (why := trace_mod.why_not_cuda()):
+        raise UsageError(f"--device cuda: {why}; trace with --device cpu")
     cases = _cases(req, dev)
     cluster = _cluster(req) if req.simulate is not None else None
     rows = trace_mod.trace_plan(cases, device=dev, progress=trace_mod.stderr_progress)

@@ -163,9 +163,24 @@ def make_case(
 
 
 def cuda_traceable() -> bool:
-    """Fake CUDA tensors need a torch built with CUDA (no GPU needed): a CPU-only torch's autograd asks the
-    CUDA runtime for streams in backward."""
-    return torch.cuda._is_compiled()
+    """Whether fake CUDA tensors can be traced through a training step here: a torch built with CUDA *and* a
+    visible GPU.
+
+    Fake tensors run no kernel, but backward still enters torch's C++ autograd engine, which asks the CUDA
+    driver for each device's primary context (``GraphTask::stash_current_streams``): a CPU-only torch has no
+    CUDA runtime to ask, and a CUDA build on a machine without a GPU fails there ("hasPrimaryContext expects
+    a valid device index", torch 2.14). Both trace on fake CPU tensors instead (``why_not_cuda``).
+    """
+    return why_not_cuda() is None
+
+
+def why_not_cuda() -> str | None:
+    """Why fake CUDA tensors cannot be traced here (``cuda_traceable``), or None."""
+    if not torch.cuda._is_compiled():
+        return "this torch is built without CUDA"
+    if torch.cuda.device_count() == 0:
+        return f"no GPU is visible (torch {torch.__version__}'s autograd engine needs one even for fake tensors)"
+    return None
 
 
 def default_device() -> str:
