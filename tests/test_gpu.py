@@ -92,6 +92,25 @@ def test_trace_on_fake_cuda_tensors_matches_the_formulas():
         assert traced == pytest.approx(formula, rel=0.05) or row["differences"], row["name"]
 
 
+def test_fake_cuda_and_fake_cpu_traces_agree_on_states_and_traffic():
+    """The same plan traced on fake CUDA tensors (a GPU visible) and on the fake-CPU stand-in (what a machine
+    without a GPU traces on, either build of torch): identical model-state bytes and collectives; the peaks
+    differ only where the stand-in counts host copies in the device's memory (printed: docs/methods.md#tracing)."""
+    traces = {}
+    for device in ("cuda", "cpu"):
+        r = zbench("plan", "--trace", "--model", "small", "--gpus", "8", "--device", device, "-i", "zero3",
+                   "-i", "fsdp", "-i", "ddp", "--json")  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        traces[device] = {row["name"]: row["trace"] for row in json.loads(r.stdout)["rows"]}
+    assert traces["cuda"].keys() == traces["cpu"].keys()
+    for name, on_cuda in traces["cuda"].items():
+        on_cpu = traces["cpu"][name]
+        assert on_cuda["error"] is None and on_cpu["error"] is None, name
+        assert on_cuda["state_bytes"] == on_cpu["state_bytes"], name
+        assert on_cuda["collectives"] == on_cpu["collectives"], name
+        print(name, "peak on fake cuda", on_cuda["peak"], "on fake cpu", on_cpu["peak"])
+
+
 OFFLOAD_SUITE = """
 name: gpu-offload
 description: the pinned-memory, side-stream and NVMe paths of ZeRO-Offload on a GPU

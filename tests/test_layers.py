@@ -139,6 +139,7 @@ def test_the_wheel_ships_implementations_inside_zbench(tmp_path):
     assert "zbench/implementations/zero/stage3.py" in names and "zbench/implementations/ddp.py" in names
     assert not [n for n in names if n.startswith("implementations/")]
     assert {"zbench/report/templates/index.html.j2", "zbench/report/static/zbench-report.js"} <= set(names)
+    assert "zbench/cases/hf_configs/llama-3.1-8b.json" in names  # the published architectures travel too
 
 
 #: Fields of the stored records (case, run) that a module might be tempted to look up by string.

@@ -47,6 +47,11 @@ class GPTConfig:
         return 2 * (2 * d) + attention + mlp
 
     @property
+    def largest_unit_parameters(self) -> int:
+        """The biggest unit a stage-3 engine gathers at once: a block, the embeddings or the head."""
+        return max(self.block_parameters, self.embedding_parameters, self.d_model * self.vocab)
+
+    @property
     def parameter_sizes(self) -> tuple[int, ...]:
         """Elements of each distinct parameter of ``GPT(self)``, in ``parameters()`` order (a tied head is the
         embedding: it counts once, there)."""

@@ -37,7 +37,10 @@ def split_units(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[
     for block in getattr(model, "blocks", []):
         for p in set(map(id, block.parameters())):
             owners[p] = owners.get(p, 0) + 1
-    direct = {id(p) for name, p in model.named_parameters() if not name.startswith("blocks.")}
+    in_a_block = {id(m) for block in getattr(model, "blocks", []) for m in block.modules()}
+    # held by a module outside every block (wherever ``blocks`` sits in the module tree: HF models keep their
+    # layers at ``model.model.layers``)
+    direct = {id(p) for m in model.modules() if id(m) not in in_a_block for p in m.parameters(recurse=False)}
     shared = {p for p, n in owners.items() if n > 1 or p in direct}
     blocks = [
         [(name_of[id(p)], p) for p in block.parameters() if id(p) not in shared]

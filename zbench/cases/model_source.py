@@ -1,4 +1,5 @@
-"""Where a suite's model comes from: a preset name (``small``) or a builder of the user's (``my_pkg.models:build``).
+"""Where a suite's model comes from: a preset name (``small``), a published architecture (``llama-3.1-8b``, or a
+local ``config.json``: ``zbench.cases.hf_models``) or a builder of the user's (``my_pkg.models:build``).
 
 The contract for a builder (docs/methods.md#models-users-bring):
 
@@ -25,16 +26,15 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
+from zbench.cases import hf_models
+from zbench.cases.hf_models import HFArch, HFModelError
+from zbench.cases.model_names import ModelSourceError, check_model_name, is_builder_path
 from zbench.cases.user_import import import_user_module
 from zbench.presets import PRESETS, GPTConfig
 
 if TYPE_CHECKING:  # torch is imported lazily: the suite parser uses this module without it
     import torch
     from torch import nn
-
-
-class ModelSourceError(ValueError):
-    """A model name that is neither a preset nor a usable builder; the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -47,17 +47,22 @@ class ModelInfo:
     seq: int
     """The longest sequence the model takes (the suite's ``seq_len`` defaults to it)."""
     gpt: GPTConfig | None = None
-    """The preset's configuration; ``None`` for a user's model."""
+    """The preset's configuration; ``None`` for any other model."""
     has_blocks: bool = True
     """It has a ``blocks`` ``nn.ModuleList`` (what activation checkpointing wraps)."""
+    arch: HFArch | None = None
+    """A published architecture's (or local config's) description; ``None`` for the others."""
+
+    @property
+    def default_seq_len(self) -> int:
+        """The suite's ``seq_len`` when it names none: a published architecture's training length, else ``seq``."""
+        return self.arch.train_seq_len if self.arch else self.seq
 
     def flops_per_token(self, seq: int | None = None) -> float:
-        """Training FLOPs per token: the preset's count with attention, else ``6 x parameters``."""
+        """Training FLOPs per token: a preset's or an architecture's count with attention, else ``6 x parameters``."""
+        if self.arch:
+            return self.arch.flops_per_token(seq)
         return self.gpt.flops_per_token(seq) if self.gpt else 6.0 * self.parameters
-
-
-def is_builder_path(name: str) -> bool:
-    return ":" in name
 
 
 def load_builder(path: str) -> Callable[[int], object]:
@@ -109,14 +114,17 @@ def _declared_int(model: nn.Module, attr: str) -> int:
 
 @cache
 def model_info(name: str) -> ModelInfo:
-    """A preset's figures, or a user model's measured on the ``meta`` device."""
-    if not is_builder_path(name):
-        if name not in PRESETS:
-            raise ModelSourceError(
-                f"unknown model {name!r}; allowed: {', '.join(PRESETS)}, or module:builder (your own)"
-            )
+    """A preset's or a published architecture's figures (no torch), or a user model's measured on ``meta``."""
+    check_model_name(name)
+    if name in PRESETS:
         cfg = PRESETS[name]
         return ModelInfo(name, cfg.num_parameters, cfg.vocab, cfg.seq, gpt=cfg)
+    if hf_models.is_hf_model(name):
+        try:
+            spec = hf_models.arch(name)
+        except HFModelError as exc:
+            raise ModelSourceError(str(exc)) from None
+        return ModelInfo(name, spec.num_parameters, spec.vocab, spec.max_positions, arch=spec)
     import torch
 
     try:
@@ -139,8 +147,10 @@ def model_info(name: str) -> ModelInfo:
 def parameter_sizes(name: str) -> tuple[int, ...]:
     """Elements of each distinct parameter, in ``parameters()`` order (a user's model measured on ``meta``): for
     layouts that depend on single tensors (DeepSpeed keeps parameters below a size unpartitioned)."""
-    if not is_builder_path(name):
+    if name in PRESETS:
         return PRESETS[name].parameter_sizes
+    if hf_models.is_hf_model(name):
+        return hf_models.arch(name).parameter_sizes
     return _distinct_sizes(build_user_model(name, seed=0, device="meta"))
 
 
@@ -153,6 +163,27 @@ def build(name: str, *, seed: int, device: torch.device | str = "cpu") -> nn.Mod
     """The model every implementation of a case starts from, identical on every rank."""
     if is_builder_path(name):
         return build_user_model(name, seed=seed, device=device)
+    if hf_models.is_hf_model(name):
+        return _build_hf(name, seed=seed, device=device)
     from zbench.cases.models import build_model
 
     return build_model(name, seed=seed, device=device)
+
+
+def _build_hf(name: str, *, seed: int, device: torch.device | str) -> nn.Module:
+    """A published architecture built by transformers (``zbench.cases.hf_adapter``), initialised from ``seed``
+    on the CPU (identical on every rank), then moved."""
+    import torch
+
+    from zbench.cases.models import to_device
+
+    spec = hf_models.arch(name)
+    if missing := hf_models.missing_transformers():
+        raise ModelSourceError(f"model {name!r} {missing}")
+    from zbench.cases.hf_adapter import build as build_transformers_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device("meta" if str(device) == "meta" else "cpu"):
+            model = build_transformers_model(spec.config, max_seq_len=spec.max_positions)
+    return model if str(device) == "meta" else to_device(model, device)

@@ -41,14 +41,21 @@ def _implementations() -> Table:
 
 
 def _models() -> Table:
+    from zbench.cases import hf_models
     from zbench.presets import PRESETS
 
-    table = Table(title="models")
-    for col in ("name", "parameters", "layers", "d_model", "heads", "vocab", "seq"):
+    table = Table(title="models (the published architectures need the hf extra: pip install 'zbench\\[hf]')")
+    for col in ("name", "architecture", "parameters", "layers", "d_model", "heads (kv)", "vocab", "seq"):
         table.add_column(col)
     for name, cfg in PRESETS.items():
         shape = (cfg.layers, cfg.d_model, cfg.heads, cfg.vocab, cfg.seq)
-        table.add_row(name, f"{cfg.num_parameters:,}", *map(str, shape))
+        table.add_row(name, "gpt", f"{cfg.num_parameters:,}", *map(str, shape))
+    for name, arch in hf_models.published().items():
+        kind = arch.model_type + (f" {arch.experts}x top-{arch.experts_per_token}" if arch.experts else "")
+        heads = f"{arch.heads} ({arch.kv_heads})"
+        seq = f"{arch.train_seq_len} of {arch.max_positions}"
+        table.add_row(name, kind, f"{arch.num_parameters:,}", str(arch.layers), str(arch.d_model), heads,
+                      str(arch.vocab), seq)  # fmt: skip
     return table
 
 

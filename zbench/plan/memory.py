@@ -10,7 +10,7 @@ modelled: ``reserve`` keeps that share of each GPU free for them.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from zbench.cases.formulas import offload_supported, placement
 from zbench.presets import GPTConfig
@@ -37,13 +37,19 @@ class PlanRow:
         return STAGE_NAMES[self.stage] + ("" if self.offload == "none" else f" + offload {self.offload}")
 
 
-def working_set_bytes(cfg: GPTConfig | None, precision: str) -> float:
+class Units(Protocol):
+    """What the working set needs of a model: a preset's ``GPTConfig`` or an architecture's ``HFArch``."""
+
+    @property
+    def largest_unit_parameters(self) -> int: ...
+
+
+def working_set_bytes(cfg: Units | None, precision: str) -> float:
     """Stage 3's gathered parameters (current + prefetched block) and one block's full gradient."""
     if cfg is None:
         return 0.0
     low = 4 if precision == "fp32" else 2
-    unit = max(cfg.block_parameters, cfg.embedding_parameters, cfg.d_model * cfg.vocab)
-    return 3 * unit * low
+    return 3 * cfg.largest_unit_parameters * low
 
 
 #: Share of each rank's memory kept free for activations and buffers, which the plan does not model.

@@ -51,7 +51,8 @@ def predicted_device_bytes(case: Case) -> float:
     """Model states on the compute device (declared layout or formulas) plus stage 3's working set."""
     layout, _ = declared_layout(case)
     states = sum(locs["device"] for locs in layout.values())
-    work = working_set_bytes(model_info(case.model).gpt, case.precision) if case.stage == 3 else 0.0
+    info = model_info(case.model)
+    work = working_set_bytes(info.gpt or info.arch, case.precision) if case.stage == 3 else 0.0
     return states + work
 
 

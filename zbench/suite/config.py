@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from zbench.cases.model_names import check_model_name
 from zbench.errors import UsageError
 from zbench.presets import PRESETS
 from zbench.values import Offload, OptimizerName, Precision
@@ -201,9 +202,8 @@ class SuiteConfig(_Frozen):
     @field_validator("models")
     @classmethod
     def _known_models(cls, models: list[str]) -> list[str]:
-        for m in models:
-            if ":" not in m and m not in PRESETS:  # a builder's path is imported and checked by the preflight
-                raise ValueError(f"unknown model {m!r}; allowed: {', '.join(PRESETS)}, or module:builder (your own)")
+        for m in models:  # a builder's path is imported, and a config file read, by the preflight
+            check_model_name(m)
         return models
 
     @model_validator(mode="after")

@@ -19,7 +19,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from zbench.cases import registry
+from zbench.cases import hf_models, registry
 from zbench.cases.case import REFERENCE, Case
 from zbench.cases.formulas import offload_supported
 from zbench.cases.model_source import ModelSourceError, model_info
@@ -114,6 +114,8 @@ def check_models(config: SuiteConfig, source: str) -> None:
             info = model_info(model)
         except ModelSourceError as exc:
             raise UsageError(f"{source}: models: {exc}") from None
+        if info.arch is not None and (missing := hf_models.missing_transformers()):
+            raise UsageError(f"{source}: models: {model!r} {missing}")
         if config.seq_len is not None and config.seq_len > info.seq:
             raise UsageError(f"{source}: seq_len {config.seq_len} exceeds model {model!r}'s max_seq_len {info.seq}")
         if True in config.activation_checkpointing and info.gpt is None and not info.has_blocks:
@@ -185,7 +187,7 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
                 warmup_steps=config.warmup_steps,
                 micro_batch=config.micro_batch,
                 grad_accum=config.grad_accum,
-                seq_len=config.seq_len or model_info(model).seq,
+                seq_len=config.seq_len or model_info(model).default_seq_len,
                 seed=config.seed,
                 timeout_s=config.timeout_s,
                 optimizer=config.optimizer.name,
