@@ -139,7 +139,8 @@ def _run(tmp_path: Path, model: str, implementations: str, world: int, precision
     suite.write_text(
         SUITE.format(model=model, implementations=implementations, world=world, precision=precision) + extra
     )
-    r = zbench("run", str(suite), "--results", str(tmp_path / "results"), "--report", str(tmp_path / "report"))
+    out = ["--results", str(tmp_path / "results"), "--report", str(tmp_path / "report")]
+    r = zbench("run", str(suite), *out, timeout=1800)
     (run_dir,) = (tmp_path / "results").iterdir()
     cases = {p.stem: json.loads(p.read_text()) for p in (run_dir / "cases").glob("*.json")}
     assert r.returncode == 0, r.stderr + "\n".join(f"{k}: {c.get('error')}" for k, c in cases.items())
@@ -153,24 +154,20 @@ def test_a_llama_mini_trains_the_same_under_zero3_as_under_ddp(tmp_path):
     assert zero3["status"] == "ok" and zero3["equivalence"]["equivalent"] is True, zero3["equivalence"]
 
 
-MATRIX = "[ddp, zero1, zero2, zero3, fsdp, fsdp1, torch_zero, deepspeed]"
-
-
-# Each run is every implementation at once (several minutes on two cores): Qwen's biased projections and 7:1
-# grouped-query attention in bf16 at world 3, Mixtral's fused experts in fp32 at world 2; Mistral's sliding
-# window through one engine of each family.
+# Every implementation on a published architecture once, in three runs (a few minutes on two cores): Qwen's
+# biased projections and 7:1 grouped-query attention in bf16, Mixtral's fused experts in fp32, Mistral's sliding
+# window at world 3. (The full matrix, world 2 and 3 x fp32 and bf16 x every implementation, is the open part of
+# issue 29: ten minutes per run here.)
 @pytest.mark.heavy
 @pytest.mark.parametrize(
     ("model", "implementations", "world", "precision"),
     [
-        ("qwen2.5-7b-mini", MATRIX, 3, "bf16"),
-        ("mixtral-8x7b-v0.1-mini", MATRIX, 2, "fp32"),
-        ("mistral-7b-v0.1-mini", "[ddp, zero2, fsdp]", 2, "fp32"),
+        ("qwen2.5-7b-mini", "[ddp, zero1, torch_zero, deepspeed]", 2, "bf16"),
+        ("mixtral-8x7b-v0.1-mini", "[ddp, zero3, fsdp, fsdp1]", 2, "fp32"),
+        ("mistral-7b-v0.1-mini", "[ddp, zero2]", 3, "fp32"),
     ],
 )
 def test_every_implementation_trains_a_published_mini_like_ddp(tmp_path, model, implementations, world, precision):
     for case_id, case in _run(tmp_path, model, implementations, world, precision).items():
-        if case["status"] == "skipped":
-            continue
         assert case["status"] == "ok", (case_id, case.get("error"))
         assert case["equivalence"]["equivalent"] is True, (case_id, case["equivalence"]["reason"])
