@@ -33,19 +33,17 @@ def split_units(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[
     gradient from every use is summed by autograd before the root's bucket takes it.
     """
     name_of = {id(p): name for name, p in model.named_parameters()}
+    units = list(getattr(model, "blocks", []))
     owners: dict[int, int] = {}
-    for block in getattr(model, "blocks", []):
+    for block in units:
         for p in set(map(id, block.parameters())):
             owners[p] = owners.get(p, 0) + 1
-    in_a_block = {id(m) for block in getattr(model, "blocks", []) for m in block.modules()}
+    in_a_block = {id(m) for block in units for m in block.modules()}
     # held by a module outside every block (wherever ``blocks`` sits in the module tree: HF models keep their
     # layers at ``model.model.layers``)
     direct = {id(p) for m in model.modules() if id(m) not in in_a_block for p in m.parameters(recurse=False)}
     shared = {p for p, n in owners.items() if n > 1 or p in direct}
-    blocks = [
-        [(name_of[id(p)], p) for p in block.parameters() if id(p) not in shared]
-        for block in getattr(model, "blocks", [])
-    ]
+    blocks = [[(name_of[id(p)], p) for p in block.parameters() if id(p) not in shared] for block in units]
     in_blocks = {id(p) for block in blocks for _, p in block}
     root = [(name, p) for name, p in model.named_parameters() if id(p) not in in_blocks]
     return root, blocks

@@ -47,8 +47,6 @@ class HFArch:
     name: str
     config: dict[str, Any] = field(hash=False)
     train_seq_len: int
-    why: str = ""
-    hub_id: str | None = None
 
     def _get(self, key: str, default: Any = None) -> Any:
         return self.config.get(key, default)
@@ -119,13 +117,16 @@ class HFArch:
             return (e * d, e * 2 * f * d, e * d * f)
         return (f * d, f * d, d * f)  # gate, up, down
 
+    def _layer_sizes(self) -> tuple[int, ...]:
+        """One decoder layer: attention, MLP (or router and experts), input and post-attention norms."""
+        return (*self._attention_sizes(), *self._mlp_sizes(), self.d_model, self.d_model)
+
     @property
     def parameter_sizes(self) -> tuple[int, ...]:
         """Elements of each distinct parameter, in ``parameters()`` order of the transformers model."""
         d = self.d_model
-        layer = (*self._attention_sizes(), *self._mlp_sizes(), d, d)  # ..., input and post-attention norms
         head = () if self.tied else (self.vocab * d,)
-        return (self.vocab * d, *layer * self.layers, d, *head)
+        return (self.vocab * d, *self._layer_sizes() * self.layers, d, *head)
 
     @property
     def num_parameters(self) -> int:
@@ -134,8 +135,7 @@ class HFArch:
     @property
     def largest_unit_parameters(self) -> int:
         """The biggest unit a stage-3 engine gathers at once: a decoder layer, the embedding or the head."""
-        layer = sum(self._attention_sizes()) + sum(self._mlp_sizes()) + 2 * self.d_model
-        return max(layer, self.vocab * self.d_model)
+        return max(sum(self._layer_sizes()), self.vocab * self.d_model)
 
     @property
     def active_parameters(self) -> int:
@@ -177,8 +177,7 @@ class HFArch:
             changes["sliding_window"] = 32  # a window shorter than the mini's 64 tokens, as 4,096 is at 8,192
         if "max_window_layers" in self.config:
             changes["max_window_layers"] = 2
-        why = f"the scaled-down twin of {self.name}, for CPU runs"
-        return replace(self, name=self.name + MINI, config={**self.config, **changes}, train_seq_len=64, why=why)
+        return replace(self, name=self.name + MINI, config={**self.config, **changes}, train_seq_len=64)
 
 
 def _load(path: Path, name: str) -> HFArch:
@@ -194,9 +193,9 @@ def _load(path: Path, name: str) -> HFArch:
                            "intermediate_size", "max_position_embeddings") if k not in config]  # fmt: skip
     if missing:
         raise HFModelError(f"model {name!r}: the config lacks {', '.join(missing)}")
+    # zbench's files say why their length; a local config gets 4,096 tokens or its context, whichever is shorter
     train_seq = int(data.get("train_seq_len") or min(4096, int(config["max_position_embeddings"])))
-    why = str(data.get("train_seq_len_why") or "4,096 tokens or the model's context, whichever is shorter")
-    return HFArch(name, config, train_seq, why, data.get("hub_id"))
+    return HFArch(name, config, train_seq)
 
 
 @cache

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from zbench.cases import hf_models
 from zbench.cases.hf_models import HFArch, HFModelError
@@ -35,6 +35,9 @@ from zbench.presets import PRESETS, GPTConfig
 if TYPE_CHECKING:  # torch is imported lazily: the suite parser uses this module without it
     import torch
     from torch import nn
+
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -80,16 +83,32 @@ def load_builder(path: str) -> Callable[[int], object]:
     return builder
 
 
-def build_user_model(path: str, *, seed: int, device: torch.device | str = "cpu") -> nn.Module:
-    """Call the builder with torch's CPU generator seeded, on the CPU (or ``meta``), and check what it returns."""
+def _seeded_on_cpu(make: Callable[[], _T], *, seed: int, device: torch.device | str) -> _T:
+    """``make()`` with torch's CPU generator seeded with ``seed``, its tensors made on the CPU (on ``meta`` when
+    ``device`` is): the same initial weights on every rank and every host."""
     import torch
-    from torch import nn
 
-    builder = load_builder(path)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device("meta" if str(device) == "meta" else "cpu"):
-            model = builder(seed)
+            return make()
+
+
+def _moved(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """A model built by ``_seeded_on_cpu``, on ``device`` (``meta`` stays where it was built)."""
+    if str(device) == "meta":
+        return model
+    from zbench.cases.models import to_device
+
+    return to_device(model, device)
+
+
+def build_user_model(path: str, *, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+    """Call the builder with torch's CPU generator seeded, on the CPU (or ``meta``), and check what it returns."""
+    from torch import nn
+
+    builder = load_builder(path)
+    model = _seeded_on_cpu(lambda: builder(seed), seed=seed, device=device)
     if not isinstance(model, nn.Module):
         raise ModelSourceError(f"model {path!r}: the builder returned {type(model).__name__}, not a torch.nn.Module")
     for attr in ("vocab_size", "max_seq_len"):
@@ -97,11 +116,7 @@ def build_user_model(path: str, *, seed: int, device: torch.device | str = "cpu"
             raise ModelSourceError(
                 f"model {path!r}: the module has no int {attr!r} (the data it needs; see docs/methods.md)"
             )
-    if str(device) == "meta":
-        return model
-    from zbench.cases.models import to_device
-
-    return to_device(model, device)
+    return _moved(model, device)
 
 
 def _declared_int(model: nn.Module, attr: str) -> int:
@@ -173,17 +188,12 @@ def build(name: str, *, seed: int, device: torch.device | str = "cpu") -> nn.Mod
 def _build_hf(name: str, *, seed: int, device: torch.device | str) -> nn.Module:
     """A published architecture built by transformers (``zbench.cases.hf_adapter``), initialised from ``seed``
     on the CPU (identical on every rank), then moved."""
-    import torch
-
-    from zbench.cases.models import to_device
-
     spec = hf_models.arch(name)
     if missing := hf_models.missing_transformers():
         raise ModelSourceError(f"model {name!r} {missing}")
     from zbench.cases.hf_adapter import build as build_transformers_model
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        with torch.device("meta" if str(device) == "meta" else "cpu"):
-            model = build_transformers_model(spec.config, max_seq_len=spec.max_positions)
-    return model if str(device) == "meta" else to_device(model, device)
+    model = _seeded_on_cpu(
+        lambda: build_transformers_model(spec.config, max_seq_len=spec.max_positions), seed=seed, device=device
+    )
+    return _moved(model, device)
