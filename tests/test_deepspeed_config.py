@@ -25,6 +25,7 @@ world_sizes: [2]
 deepspeed_config: ds_zero3_offload.json
 steps: 5
 warmup_steps: 1
+paired_rounds: 0
 timeout_s: 300
 """
 DEEPSPEED_ONLY = [

@@ -108,6 +108,7 @@ world_sizes: {world}
 precisions: [{precision}]
 steps: 6
 warmup_steps: 1
+paired_rounds: 0
 """
 
 
@@ -171,3 +172,23 @@ def test_every_implementation_trains_a_published_mini_like_ddp(tmp_path, model, 
     for case_id, case in _run(tmp_path, model, implementations, world, precision).items():
         assert case["status"] == "ok", (case_id, case.get("error"))
         assert case["equivalence"]["equivalent"] is True, (case_id, case["equivalence"]["reason"])
+
+
+@pytest.mark.heavy
+def test_plan_traces_a_published_architecture_and_its_states_are_the_formulas():
+    """``zbench plan --trace`` on a published architecture (its mini: the same code paths, seconds on a CPU): every
+    engine's traced model states equal the formulas at 8 ranks, at the architecture's training length."""
+    pytest.importorskip("transformers")
+    r = zbench(
+        "plan", "--model", "llama-3.1-8b-mini", "--gpus", "8", "--trace", "-i", "zero1", "-i", "zero3", "-o", "none",
+        "--json", timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["seq_len"] == 64 and "rope_parameters" not in r.stderr  # the mini's length; no transformers warning
+    assert [row["implementation"] for row in out["rows"]] == ["zero1", "zero3"]
+    for row in out["rows"]:
+        traced, formula = row["trace"], row["formula"]
+        assert traced["error"] is None, traced["error"]
+        for category, where in formula.items():
+            assert traced["state_bytes"][category]["device"] == pytest.approx(where["device"], rel=0.01), category

@@ -25,11 +25,12 @@ from zbench.results.run_info import Environment, RunInfo, SuiteInfo
 from zbench.verdicts.regress import machine_fingerprint
 
 FAULTY = "tests.plugins.faulty:FAULTY"
-#: suites/stages.yaml shrunk to what a test can afford: the tiny model, 5 steps, fp32, and one case of each family
+#: suites/stages.yaml shrunk to what a test can afford: the tiny model, 5 steps, fp32, no paired timing rounds (the
+#: gate's; tested in test_regress), and one case of each family
 #: (with the DDP reference and its twin); the full smoke and stages suites were compared by hand (closing note).
 #: The timeout is generous: the module runs four suites at once, on a machine that may be busy besides.
 SHRINK = ["--set", "models=[tiny]", "--set", "steps=5", "--set", "warmup_steps=1", "--set", "precisions=[fp32]",
-          "--set", "timeout_s=900"]  # fmt: skip
+          "--set", "timeout_s=900", "--set", "paired_rounds=0"]  # fmt: skip
 FAMILIES = ["-k", "zero1", "-k", "zero3", "-k", "fsdp-s3", "-k", "fsdp1-s2", "-k", "deepspeed-s3"]
 
 
@@ -42,6 +43,7 @@ models: tiny
 world_sizes: 2
 steps: 6
 warmup_steps: 1
+paired_rounds: 0
 timeout_s: 900
 implementations: [{implementations}]
 """

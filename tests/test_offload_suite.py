@@ -25,6 +25,7 @@ models: tiny
 world_sizes: 2
 steps: 20
 warmup_steps: 2
+paired_rounds: 0
 timeout_s: 120
 implementations: [ddp, fsdp, zero1, zero2, zero3]
 offload: [optimizer, optimizer+params, nvme]

@@ -67,3 +67,22 @@ def test_cli_json(tmp_path):
     ddp = next(row for row in out["rows"] if row["name"] == "DDP")
     assert ddp["device_bytes"] / PSI == pytest.approx(16) and ddp["fits"] is False
     assert any(row["fits"] for row in out["rows"])
+
+
+def test_cli_plans_a_published_architecture_by_its_own_shape():
+    """Llama 2 70B by name (no transformers needed for the formulas): its exact parameter count and its largest
+    stage-3 unit (a decoder layer with grouped-query attention and SwiGLU), not the GPT-shaped 70B preset's."""
+    from zbench.cases.hf_models import arch
+
+    llama = arch("llama-2-70b")
+    r = zbench("plan", "--model", "llama-2-70b", "--gpus", "8", "--gpu-memory", "24", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["parameters"] == llama.num_parameters == 68_976_648_192
+    rows = {row["name"]: row for row in out["rows"]}
+    assert rows["ZeRO-3"]["working_set_bytes"] == 3 * 2 * llama.largest_unit_parameters
+    assert rows["ZeRO-3"]["working_set_bytes"] != 3 * 2 * PRESETS["gpt-70b"].largest_unit_parameters
+    assert [name for name, row in rows.items() if row["fits"]] == [
+        "ZeRO-3 + offload optimizer+params",
+        "ZeRO-3 + offload nvme",
+    ]

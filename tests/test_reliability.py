@@ -22,6 +22,7 @@ models: tiny
 world_sizes: 2
 steps: {steps}
 warmup_steps: 1
+paired_rounds: 0
 implementations: [{impls}]
 """
 

@@ -17,6 +17,7 @@ models: tiny
 world_sizes: 4
 steps: 4
 warmup_steps: 1
+paired_rounds: 0
 timeout_s: 300
 implementations: [ddp, fsdp, torch_zero, zero1, zero2, zero3]
 """

@@ -177,6 +177,11 @@ class HFArch:
             changes["sliding_window"] = 32  # a window shorter than the mini's 64 tokens, as 4,096 is at 8,192
         if "max_window_layers" in self.config:
             changes["max_window_layers"] = 2
+        rope = self._get("rope_scaling")
+        if isinstance(rope, dict) and "original_max_position_embeddings" in rope:
+            # Llama 3.1's context extension, at the published ratio (8,192 of 131,072); transformers warns otherwise
+            original = rope["original_max_position_embeddings"] * 128 // self.max_positions
+            changes["rope_scaling"] = {**rope, "original_max_position_embeddings": max(1, original)}
         return replace(self, name=self.name + MINI, config={**self.config, **changes}, train_seq_len=64)
 
 

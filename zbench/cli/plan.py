@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 from rich.table import Table
@@ -15,8 +15,17 @@ from zbench.errors import UsageError
 from zbench.plan.memory import DEFAULT_RESERVE
 from zbench.values import Precision
 
-ModelOpt = Annotated[str | None, typer.Option(help="Model preset (see `zbench list`).")]
-ParamsOpt = Annotated[float | None, typer.Option(help="Parameter count instead of a preset, e.g. 7e9.")]
+if TYPE_CHECKING:
+    from zbench.cases.model_source import ModelInfo
+
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Model: a preset or a published architecture (see `zbench list`), path/to/config.json, or "
+        "module:builder (your own)."
+    ),
+]
+ParamsOpt = Annotated[float | None, typer.Option(help="Parameter count instead of a model, e.g. 7e9.")]
 GpusOpt = Annotated[int, typer.Option(help="Data-parallel GPUs (N in the formulas).")]
 GpuMemoryOpt = Annotated[float | None, typer.Option("--gpu-memory", help="GiB per GPU; shows which combinations fit.")]
 PerNodeOpt = Annotated[int | None, typer.Option(help="GPUs sharing one host's memory (default: all).")]
@@ -68,8 +77,8 @@ OptionOpt = Annotated[
 TraceDeviceOpt = Annotated[
     Literal["auto", "cpu", "cuda"],
     typer.Option(
-        help="With --trace: the fake tensors' device. auto: cuda where torch is built with CUDA (no GPU "
-        "needed), else cpu (same bytes; the CPU paths of each implementation)."
+        help="With --trace: the fake tensors' device. auto: cuda where torch is built with CUDA and a GPU is "
+        "visible, else cpu (same bytes and traffic; the CPU paths of each implementation)."
     ),
 ]
 SimulateOpt = Annotated[
@@ -115,7 +124,7 @@ def plan(
     _check_plan_args(model, params, gpus, gpu_memory, reserve, traced=trace or simulate is not None, option=option)
     if trace or simulate:
         if model is None:
-            raise UsageError("--trace and --simulate need --model (a preset: its shape is what runs)")
+            raise UsageError("--trace and --simulate need --model (its shape is what runs)")
         request = TraceRequest(
             model=model, gpus=gpus, precision=precision, implementations=implementation, offloads=offload,
             micro_batch=micro_batch, seq_len=seq_len, checkpointing=checkpointing,
@@ -137,18 +146,30 @@ def _check_plan_args(
     traced: bool,
     option: list[str] | None,
 ) -> None:
-    from zbench.presets import PRESETS
-
     if (model is None) == (params is None):
         raise UsageError("give exactly one of --model NAME or --params N")
-    if model is not None and model not in PRESETS:
-        raise UsageError(f"--model: unknown model {model!r}; allowed: {', '.join(PRESETS)}")
+    if model is not None:
+        _model_info(model, built=traced)
     if gpus < 1 or (params is not None and params < 1) or (gpu_memory is not None and gpu_memory <= 0):
         raise UsageError("--gpus, --params and --gpu-memory must be positive")
     if not 0 <= reserve < 1:
         raise UsageError(f"--reserve: {reserve} is not in [0, 1)")
     if option and not traced:
         raise UsageError("--option applies to traced implementations: add --trace or --simulate")
+
+
+def _model_info(model: str, *, built: bool) -> ModelInfo:
+    """``--model``'s figures, or one line: an unknown name, or (``built``: traced) transformers missing."""
+    from zbench.cases import hf_models
+    from zbench.cases.model_source import ModelSourceError, model_info
+
+    try:
+        info = model_info(model)
+    except ModelSourceError as exc:
+        raise UsageError(f"--model: {exc}") from None
+    if built and info.arch is not None and (missing := hf_models.missing_transformers()):
+        raise UsageError(f"--model: {model!r} {missing}")
+    return info
 
 
 def _formula_plan(
@@ -164,15 +185,14 @@ def _formula_plan(
 ) -> None:
     """The formulas' answer for every stage x offload mode, as JSON or a table."""
     from zbench.plan import memory
-    from zbench.presets import PRESETS
 
-    cfg = PRESETS[model] if model else None
-    n = cfg.num_parameters if cfg else int(params or 0)
+    info = _model_info(model, built=False) if model else None
+    n = info.parameters if info else int(params or 0)
     rows = memory.plan(
         params=n,
         gpus=gpus,
         precision=precision,
-        cfg=cfg,
+        cfg=(info.gpt or info.arch) if info else None,
         reserve=reserve,
         gpus_per_node=gpus_per_node,
         gpu_memory_bytes=gpu_memory * 2**30 if gpu_memory else None,

@@ -67,17 +67,18 @@ def plan_trace(req: TraceRequest) -> None:
 
 def _cases(req: TraceRequest, dev: str) -> list[Case]:
     """One case per implementation x stage x offload mode asked for that can be traced on ``dev``."""
+    from zbench.cases.model_source import model_info
     from zbench.implementations import BUILTIN
     from zbench.plan.trace import plan as trace_mod
-    from zbench.presets import PRESETS
 
     names = req.implementations or list(BUILTIN)
     unknown = [n for n in names if n not in BUILTIN]
     if unknown:
         raise UsageError(f"--implementation: unknown {', '.join(unknown)}; built-in: {', '.join(BUILTIN)}")
-    seq = req.seq_len or PRESETS[req.model].seq
-    if req.micro_batch < 1 or not 1 <= seq <= PRESETS[req.model].seq:
-        raise UsageError(f"--micro-batch must be >= 1 and --seq-len in 1..{PRESETS[req.model].seq}")
+    info = model_info(req.model)  # checked by the command
+    seq = req.seq_len or info.default_seq_len
+    if req.micro_batch < 1 or not 1 <= seq <= info.seq:
+        raise UsageError(f"--micro-batch must be >= 1 and --seq-len in 1..{info.seq}")
     bad = [o for o in req.offloads or () if o not in OFFLOAD_MODES]
     if bad:
         raise UsageError(f"--offload: unknown {', '.join(bad)}; allowed: {', '.join(OFFLOAD_MODES)}")

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from zbench.cases.formulas import offload_supported, placement
-from zbench.presets import GPTConfig
 from zbench.values import OFFLOAD_MODES, STAGES
 
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -69,7 +68,7 @@ def plan(
     gpu_memory_bytes: float | None = None,
     gpus_per_node: int | None = None,
     reserve: float = DEFAULT_RESERVE,
-    cfg: GPTConfig | None = None,
+    cfg: Units | None = None,
     optimizer: str = "adamw",
 ) -> list[PlanRow]:
     """Every stage × offload combination; ``fits`` is ``None`` when no GPU memory was given."""
