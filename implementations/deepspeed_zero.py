@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +47,9 @@ MASTER_ATTRIBUTES = ("single_partition_of_fp32_groups", "fp32_groups_flat_partit
 INSTALL_HINT = "DeepSpeed is not installed: pip install -e '.[deepspeed]' (on CPU: DS_BUILD_OPS=0 pip install ...)"
 #: DeepSpeed's buckets (elements): its defaults (5e8) would allocate gigabytes for any model.
 BUCKET_ELEMENTS = 50_000_000
+#: A JIT build of one of DeepSpeed's ops (its CPU shared-memory collectives, built at the first CPU run) takes about
+#: a minute on two cores; a build lock older than this was left by a build that was killed.
+STALE_BUILD_LOCK_S = 600.0
 
 
 def deepspeed_config(spec: TrainSpec, micro_batch: int) -> dict[str, Any]:
@@ -84,8 +89,36 @@ def deepspeed_config(spec: TrainSpec, micro_batch: int) -> dict[str, Any]:
     return config
 
 
+def stale_build_locks(root: Path | None = None, now: float | None = None) -> list[Path]:
+    """DeepSpeed ops' JIT build locks under torch's extension directory older than ``STALE_BUILD_LOCK_S``.
+
+    Note: torch's ``FileBaton`` waits for a lock file without end, and a build killed midway (a case's timeout, an
+    interrupt) leaves its lock behind: every later DeepSpeed case on the machine would wait until its timeout.
+    """
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    now = time.time() if now is None else now
+    found = []
+    for lock in root.glob("*/deepspeed*/lock"):
+        try:
+            if now - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+                found.append(lock)
+        except OSError:  # released meanwhile
+            continue
+    return found
+
+
 def _prepare_environment(spec: TrainSpec) -> None:
-    """What DeepSpeed's launcher would have set, before ``deepspeed`` is first imported."""
+    """What DeepSpeed's launcher would have set, before ``deepspeed`` is first imported; and no stale build lock
+    for its ops to wait on (see ``stale_build_locks``)."""
+    if stale := stale_build_locks():
+        minutes = (time.time() - stale[0].stat().st_mtime) / 60
+        raise RuntimeError(
+            f"{stale[0]} is {minutes:.0f} minutes old: a DeepSpeed op build was killed and left its lock, on which "
+            "this case would wait forever; delete the file and run again"
+        )
     local = spec.device.index if spec.device.type == "cuda" and spec.device.index is not None else dist.get_rank()
     os.environ.setdefault("LOCAL_RANK", str(local))
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if spec.device.type == "cuda" else "cpu")

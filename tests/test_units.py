@@ -335,6 +335,29 @@ def test_gpu_inventory_finds_gpu_branches_and_only_them():
     assert guards.function[5] == "f" and guards.function[14] == "g"
 
 
+def test_a_deepspeed_build_lock_left_by_a_killed_build_is_refused_not_waited_on(tmp_path, monkeypatch):
+    """torch's extension builds wait on a lock file without end; one older than any build (a killed build's) fails
+    the DeepSpeed case at once, naming the file, while a fresh one (a build under way on another rank) is waited on.
+    """
+    import os
+    import time
+
+    from zbench.implementations import deepspeed_zero
+    from zbench.protocol import TrainSpec
+
+    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert deepspeed_zero.stale_build_locks() == []  # a build under way
+    old = time.time() - deepspeed_zero.STALE_BUILD_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert deepspeed_zero.stale_build_locks() == [lock]
+    assert deepspeed_zero.stale_build_locks(now=old + 1) == []
+    with pytest.raises(RuntimeError, match=r"deepspeed_shm_comm/lock is 11 minutes old: .*delete the file"):
+        deepspeed_zero._prepare_environment(TrainSpec(device=torch.device("cpu"), stage=2))
+
+
 def test_deepspeed_cases_are_skipped_with_the_install_hint_where_it_is_absent(monkeypatch):
     """The adapter imports without DeepSpeed; its capabilities then say why nothing can run."""
     import importlib.util
