@@ -89,8 +89,9 @@ def deepspeed_config(spec: TrainSpec, micro_batch: int) -> dict[str, Any]:
     return config
 
 
-def stale_build_locks(root: Path | None = None, now: float | None = None) -> list[Path]:
-    """DeepSpeed ops' JIT build locks under torch's extension directory older than ``STALE_BUILD_LOCK_S``.
+def stale_build_locks(root: Path | None = None, now: float | None = None) -> dict[Path, float]:
+    """DeepSpeed ops' JIT build locks under torch's extension directory older than ``STALE_BUILD_LOCK_S``, with
+    their ages in seconds.
 
     Note: torch's ``FileBaton`` waits for a lock file without end, and a build killed midway (a case's timeout, an
     interrupt) leaves its lock behind: every later DeepSpeed case on the machine would wait until its timeout.
@@ -100,13 +101,14 @@ def stale_build_locks(root: Path | None = None, now: float | None = None) -> lis
 
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     now = time.time() if now is None else now
-    found = []
+    found = {}
     for lock in root.glob("*/deepspeed*/lock"):
         try:
-            if now - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
-                found.append(lock)
+            age = now - lock.stat().st_mtime
         except OSError:  # released meanwhile
             continue
+        if age > STALE_BUILD_LOCK_S:
+            found[lock] = age
     return found
 
 
@@ -114,9 +116,9 @@ def _prepare_environment(spec: TrainSpec) -> None:
     """What DeepSpeed's launcher would have set, before ``deepspeed`` is first imported; and no stale build lock
     for its ops to wait on (see ``stale_build_locks``)."""
     if stale := stale_build_locks():
-        minutes = (time.time() - stale[0].stat().st_mtime) / 60
+        lock, age = next(iter(stale.items()))
         raise RuntimeError(
-            f"{stale[0]} is {minutes:.0f} minutes old: a DeepSpeed op build was killed and left its lock, on which "
+            f"{lock} is {age / 60:.0f} minutes old: a DeepSpeed op build was killed and left its lock, on which "
             "this case would wait forever; delete the file and run again"
         )
     local = spec.device.index if spec.device.type == "cuda" and spec.device.index is not None else dist.get_rank()

@@ -349,11 +349,11 @@ def test_a_deepspeed_build_lock_left_by_a_killed_build_is_refused_not_waited_on(
     lock.parent.mkdir(parents=True)
     lock.touch()
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert deepspeed_zero.stale_build_locks() == []  # a build under way
+    assert deepspeed_zero.stale_build_locks() == {}  # a build under way
     old = time.time() - deepspeed_zero.STALE_BUILD_LOCK_S - 60
     os.utime(lock, (old, old))
-    assert deepspeed_zero.stale_build_locks() == [lock]
-    assert deepspeed_zero.stale_build_locks(now=old + 1) == []
+    assert list(deepspeed_zero.stale_build_locks()) == [lock]
+    assert deepspeed_zero.stale_build_locks(now=old + 1) == {}
     with pytest.raises(RuntimeError, match=r"deepspeed_shm_comm/lock is 11 minutes old: .*delete the file"):
         deepspeed_zero._prepare_environment(TrainSpec(device=torch.device("cpu"), stage=2))
 

@@ -180,7 +180,8 @@ class HFArch:
         rope = self._get("rope_scaling")
         if isinstance(rope, dict) and "original_max_position_embeddings" in rope:
             # Llama 3.1's context extension, at the published ratio (8,192 of 131,072); transformers warns otherwise
-            original = rope["original_max_position_embeddings"] * 128 // self.max_positions
+            positions = changes["max_position_embeddings"]
+            original = rope["original_max_position_embeddings"] * positions // self.max_positions
             changes["rope_scaling"] = {**rope, "original_max_position_embeddings": max(1, original)}
         return replace(self, name=self.name + MINI, config={**self.config, **changes}, train_seq_len=64)
 

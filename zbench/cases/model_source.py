@@ -158,6 +158,13 @@ def model_info(name: str) -> ModelInfo:
     )
 
 
+def check_buildable(info: ModelInfo) -> None:
+    """What building ``info``'s model needs and this environment lacks (transformers, for a published
+    architecture), as one ``ModelSourceError``; its figures alone (``model_info``) need nothing."""
+    if info.arch is not None and (missing := hf_models.missing_transformers()):
+        raise ModelSourceError(f"{info.name!r} {missing}")
+
+
 @cache
 def parameter_sizes(name: str) -> tuple[int, ...]:
     """Elements of each distinct parameter, in ``parameters()`` order (a user's model measured on ``meta``): for

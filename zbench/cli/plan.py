@@ -160,15 +160,14 @@ def _check_plan_args(
 
 def _model_info(model: str, *, built: bool) -> ModelInfo:
     """``--model``'s figures, or one line: an unknown name, or (``built``: traced) transformers missing."""
-    from zbench.cases import hf_models
-    from zbench.cases.model_source import ModelSourceError, model_info
+    from zbench.cases.model_source import ModelSourceError, check_buildable, model_info
 
     try:
         info = model_info(model)
+        if built:
+            check_buildable(info)
     except ModelSourceError as exc:
         raise UsageError(f"--model: {exc}") from None
-    if built and info.arch is not None and (missing := hf_models.missing_transformers()):
-        raise UsageError(f"--model: {model!r} {missing}")
     return info
 
 

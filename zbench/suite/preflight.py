@@ -19,10 +19,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from zbench.cases import hf_models, registry
+from zbench.cases import registry
 from zbench.cases.case import REFERENCE, Case
 from zbench.cases.formulas import offload_supported
-from zbench.cases.model_source import ModelSourceError, model_info
+from zbench.cases.model_source import ModelSourceError, check_buildable, model_info
 from zbench.errors import UsageError
 from zbench.protocol import Capabilities, Implementation
 from zbench.suite import nvme
@@ -112,10 +112,9 @@ def check_models(config: SuiteConfig, source: str) -> None:
     for model in config.models:
         try:
             info = model_info(model)
+            check_buildable(info)
         except ModelSourceError as exc:
             raise UsageError(f"{source}: models: {exc}") from None
-        if info.arch is not None and (missing := hf_models.missing_transformers()):
-            raise UsageError(f"{source}: models: {model!r} {missing}")
         if config.seq_len is not None and config.seq_len > info.seq:
             raise UsageError(f"{source}: seq_len {config.seq_len} exceeds model {model!r}'s max_seq_len {info.seq}")
         if True in config.activation_checkpointing and info.gpt is None and not info.has_blocks:
