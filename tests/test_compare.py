@@ -32,10 +32,13 @@ def test_json_contract(compared):
     result, tmp = compared
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert [(c["implementation"], c["noise_twin"]) for c in out["cases"]] == [
-        ("ddp", False),
-        ("ddp", True),
-        ("torch_zero", False),
+    # bf16 by default: the fp32 reference and twin that torch_zero's fp32 probe is judged against come first
+    assert [(c["implementation"], c["noise_twin"], c["precision"]) for c in out["cases"]] == [
+        ("ddp", False, "fp32"),
+        ("ddp", True, "fp32"),
+        ("ddp", False, "bf16"),
+        ("ddp", True, "bf16"),
+        ("torch_zero", False, "bf16"),
     ]
     for case in out["cases"]:
         for key in (
@@ -51,8 +54,8 @@ def test_json_contract(compared):
             assert case[key] is not None, key
         assert case["status"] == "ok" and case["equivalent"] is True
     assert out["cases"][0]["ratio_to_ddp"] == 1.0
-    assert out["cases"][2]["model_state_bytes"] < out["cases"][0]["model_state_bytes"]
-    assert out["cases"][2]["failed_checks"] == []
+    assert out["cases"][4]["model_state_bytes"] < out["cases"][2]["model_state_bytes"]
+    assert out["cases"][4]["failed_checks"] == []
     assert (tmp / out["run_id"] / "run.json").exists()
 
 

@@ -141,3 +141,63 @@ def test_unreadable_parameters_are_not_equivalent(tmp_path):
         twin_params_path=None,
     )  # fmt: skip
     assert not eq.equivalent and "not stored" in eq.reason
+
+
+def probe_verdict(tmp_path, bf16_params, probe_params, *, probe_losses=(2.0, 1.5, 1.2), reference32=True):
+    """A bf16 case within its (wide) bounds, with an fp32 probe judged against an fp32 reference and twin."""
+    from zbench.results.record import Fp32Probe
+
+    bf16_ref = record([2.0, 1.5, 1.2], [1.0, 0.9, 0.8], precision="bf16")
+    bf16_twin = record([2.0, 1.51, 1.21], [1.0, 0.9, 0.8], precision="bf16", twin=True)
+    ref32 = record([2.0, 1.5, 1.2], [1.0, 0.9, 0.8])
+    twin32 = record([2.0, 1.5, 1.2000001], [1.0, 0.9, 0.8], twin=True)
+    files = {}
+    for name, p in (("p16", bf16_params), ("r16", REF), ("t16", noisy(0.2, 0.01)), ("p32", probe_params)):
+        torch.save(p, tmp_path / f"{name}.pt")
+        files[name] = tmp_path / f"{name}.pt"
+    torch.save(noisy(1e-3, 1e-7), tmp_path / "t32.pt")
+    probe = Fp32Probe(losses=list(probe_losses), grad_norms=[1.0, 0.9, 0.8], param_checksums=["a", "a"], seconds=0.5)
+    evidence = equivalence.ProbeEvidence(
+        probe=probe,
+        reference=ref32 if reference32 else None,
+        twin=twin32,
+        params_path=files["p32"],
+        reference_params_path=files["r16"],  # the fp32 reference's parameters: REF as well
+        twin_params_path=tmp_path / "t32.pt",
+    )
+    return equivalence.verdict(
+        record([2.0, 1.505, 1.205], [1.0, 0.9, 0.8], precision="bf16"),
+        bf16_ref,
+        bf16_twin,
+        params_path=files["p16"],
+        reference_params_path=files["r16"],
+        twin_params_path=files["t16"],
+        probe=evidence,
+    )
+
+
+def test_a_bug_inside_the_bf16_noise_is_caught_by_the_fp32_probe(tmp_path):
+    """A 1% error on one tensor: well inside bf16's bounds (the twin moved everything by 1%), far outside fp32's."""
+    wrong = {**REF, "ln": REF["ln"] * 1.01}
+    eq = probe_verdict(tmp_path, wrong, wrong)
+    bf16 = {c.name: c.passed for c in eq.checks if not c.probe}
+    assert set(bf16.values()) == {True}, eq.checks  # the bf16 run alone would pass it
+    assert not eq.equivalent and eq.failed_checks == ["fp32 probe parameters"]
+    assert eq.reason.startswith("bf16 run within its bounds (worst: ") and "fp32 probe parameters" in eq.reason
+
+
+def test_a_correct_fp32_probe_keeps_the_case_equivalent_and_a_missing_reference_is_said(tmp_path):
+    eq = probe_verdict(tmp_path, noisy(0.1, 0.005), noisy(1e-4, 1e-8))
+    assert eq.equivalent, eq.reason
+    assert {c.label for c in eq.checks if c.probe} == {
+        "fp32 probe loss",
+        "fp32 probe grad_norm",
+        "fp32 probe parameters",
+        "fp32 probe ranks",
+    }
+    late = probe_verdict(tmp_path, noisy(0.1, 0.005), noisy(1e-4, 1e-8), probe_losses=(2.0, 1.5, 1.2 * 1.001))
+    assert not late.equivalent and late.failed_checks == ["fp32 probe loss"]  # a 0.1% loss change at the last step
+    unjudged = probe_verdict(tmp_path, noisy(0.1, 0.005), noisy(1e-4, 1e-8), reference32=False)
+    probe = [c for c in unjudged.checks if c.probe]
+    assert unjudged.equivalent and len(probe) == 1 and probe[0].passed is None
+    assert probe[0].detail == "not run: no fp32 DDP reference"

@@ -111,6 +111,47 @@ def test_selection_keeps_the_references_of_what_it_keeps():
     )
     cases = preflight.prepare(from_flags(config)).cases
     kept = [c.case_id for c in select(cases, ["small-zero3*bf16*"])]
-    assert kept == ["small-ddp-s0-w2-bf16-none", "small-ddp-s0-w2-bf16-none-twin", "small-zero3-s3-w2-bf16-none"]
+    assert kept == [  # with the fp32 reference and twin its fp32 probe is judged against
+        "small-ddp-s0-w2-fp32-none",
+        "small-ddp-s0-w2-fp32-none-twin",
+        "small-ddp-s0-w2-bf16-none",
+        "small-ddp-s0-w2-bf16-none-twin",
+        "small-zero3-s3-w2-bf16-none",
+    ]
     assert [c.case_id for c in select(cases, ["tiny-ddp-s0-w2-fp32-none-twin"])] == ["tiny-ddp-s0-w2-fp32-none-twin"]
     assert select(cases, []) == cases
+
+
+def _expanded(**overrides):
+    from zbench.suite import preflight
+    from zbench.suite.config import from_flags
+
+    suite = {"device": "cpu", "models": ["tiny"], "implementations": ["ddp", "zero2"], "world_sizes": [2]}
+    return preflight.prepare(from_flags(from_dict({**suite, **overrides}, source="t"))).cases
+
+
+def test_bf16_cases_get_an_fp32_probe_and_its_fp32_references_come_first():
+    bf16_only = _expanded(precisions=["bf16"])
+    assert [(c.case_id, c.fp32_probe) for c in bf16_only] == [
+        ("tiny-ddp-s0-w2-fp32-none", False),  # added: the probe's reference and twin, before the group they judge
+        ("tiny-ddp-s0-w2-fp32-none-twin", False),
+        ("tiny-ddp-s0-w2-bf16-none", False),
+        ("tiny-ddp-s0-w2-bf16-none-twin", False),
+        ("tiny-zero2-s2-w2-bf16-none", True),
+    ]
+    # listed after bf16, fp32 still runs first (its reference judges the probes); no second fp32 reference
+    both = [(c.case_id, c.fp32_probe) for c in _expanded(precisions=["bf16", "fp32"])]
+    assert both == [
+        ("tiny-ddp-s0-w2-fp32-none", False),
+        ("tiny-ddp-s0-w2-fp32-none-twin", False),
+        ("tiny-zero2-s2-w2-fp32-none", False),
+        ("tiny-ddp-s0-w2-bf16-none", False),
+        ("tiny-ddp-s0-w2-bf16-none-twin", False),
+        ("tiny-zero2-s2-w2-bf16-none", True),
+    ]
+    off = _expanded(precisions=["bf16"], fp32_probe=False)
+    assert [(c.case_id, c.fp32_probe) for c in off] == [
+        ("tiny-ddp-s0-w2-bf16-none", False),
+        ("tiny-ddp-s0-w2-bf16-none-twin", False),
+        ("tiny-zero2-s2-w2-bf16-none", False),
+    ]

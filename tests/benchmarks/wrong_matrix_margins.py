@@ -37,6 +37,11 @@ def suite_for(model: str, worlds: list[int], precisions: list[str], with_built_i
     return text + "paired_rounds: 0\ntimeout_s: 3600\n"
 
 
+def check_label(check: dict) -> str:
+    """``fp32 probe parameters`` for a check of a bf16 case's fp32 probe, else the check's name."""
+    return f"fp32 probe {check['name']}" if check.get("probe") else check["name"]
+
+
 def cell(case: dict) -> tuple[str, float | None]:
     """The check furthest past its bound (``name margin``); ``ranks`` when only the rank checksums failed; else
     the largest fraction of a bound reached."""
@@ -47,7 +52,7 @@ def cell(case: dict) -> tuple[str, float | None]:
     worst = max(checks, key=lambda c: c["figure"] / c["bound"], default=None)
     margin = worst["figure"] / worst["bound"] if worst else None
     if worst and margin is not None and margin > 1:
-        return f"{worst['name']} {margin:.2g}".replace("e+0", "e"), margin
+        return f"{check_label(worst)} {margin:.2g}".replace("e+0", "e"), margin
     if ranks_failed:
         return "ranks", None
     return (f"*passes* ({margin:.2f})" if margin is not None else "no checks"), margin
@@ -62,7 +67,14 @@ def tables(cases: dict[tuple[str, str, int], dict], columns: list[tuple[str, int
     out += ["", "| check (correct implementations, worst fraction of the bound) | " + " | ".join(head) + " |"]
     out.append("|---|" + "---|" * len(columns))
     correct = [*CORRECT, *CORRECT_BUILT_IN]
-    for check in ("loss", "grad_norm", "parameters", "model_state"):
+    labels = (
+        "loss",
+        "grad_norm",
+        "parameters",
+        "model_state",
+        *(f"fp32 probe {c}" for c in ("loss", "grad_norm", "parameters")),
+    )
+    for check in labels:
         row = []
         for p, w in columns:
             fractions = [
@@ -70,7 +82,7 @@ def tables(cases: dict[tuple[str, str, int], dict], columns: list[tuple[str, int
                 for name in correct
                 if (name, p, w) in cases and cases[(name, p, w)]["status"] == "ok"
                 for c in cases[(name, p, w)]["equivalence"]["checks"]
-                if c["name"] == check and c.get("figure") is not None and c.get("bound")
+                if check_label(c) == check and c.get("figure") is not None and c.get("bound")
             ]
             row.append(f"{max(fractions):.2f}" if fractions else "")
         out.append(f"| {check} | " + " | ".join(row) + " |")

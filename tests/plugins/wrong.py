@@ -43,6 +43,10 @@ MANUAL_BUGS = {
     "unsynced_step": "forgets the gradient all-reduce on step 5",
     "stale_grad": "steps on the previous step's gradient from step 5 on (a gradient buffer one step late)",
     "rank_lr": "rank 1 uses a 1% higher learning rate (ranks drift apart)",
+    # three bugs whose effect lies inside bf16's rounding noise (issue 32): only the fp32 probe sees them in bf16
+    "lr_tiny_late": "learning rate 0.1% too high from step 10",
+    "wd_skips_biases_norms": "skips weight decay on biases and LayerNorm parameters",
+    "stale_grad_one_tensor": "the final LayerNorm weight steps on the previous step's gradient from step 5",
 }
 ZERO_BUGS = {
     "none": "correct (control)",
@@ -69,10 +73,16 @@ class ManualDPEngine(EngineBase):
         params = list(self.model.named_parameters())
         if self.bug == "rank_lr" and self.rank == 1:
             kwargs["lr"] *= 1.01
-        if self.bug == "wd_skips_norms":
-            norms = [p for n, p in params if ".ln" in n or n.startswith("ln")]
-            rest = [p for n, p in params if not (".ln" in n or n.startswith("ln"))]
-            return cls([{"params": rest}, {"params": norms, "weight_decay": 0.0}], **kwargs)
+        if self.bug in ("wd_skips_norms", "wd_skips_biases_norms"):
+            biases = self.bug == "wd_skips_biases_norms"
+
+            def skipped(name: str) -> bool:
+                return ".ln" in name or name.startswith("ln") or (biases and name.endswith(".bias"))
+
+            rest = [p for n, p in params if not skipped(n)]
+            return cls(
+                [{"params": rest}, {"params": [p for n, p in params if skipped(n)], "weight_decay": 0.0}], **kwargs
+            )
         return cls([p for _, p in params], **kwargs)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -99,18 +109,20 @@ class ManualDPEngine(EngineBase):
                 dist.all_reduce(p.grad, group=self.group)
                 if self.bug != "grad_sum":
                     p.grad /= self.world
-        if self.bug == "stale_grad":
-            current = [p.grad.clone() for p in params]
+        if self.bug in ("stale_grad", "stale_grad_one_tensor"):
+            late = params if self.bug == "stale_grad" else [dict(self.model.named_parameters())["ln.weight"]]
+            current = [p.grad.clone() for p in late]
             if self.steps >= 5 and self.previous is not None:
-                for p, g in zip(params, self.previous):
+                for p, g in zip(late, self.previous):
                     p.grad.copy_(g)
             self.previous = current
         self.grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if self.spec.grad_clip is not None and self.bug != "clip_local_norm":
             torch.nn.utils.clip_grads_with_norm_(params, self.spec.grad_clip, self.grad_norm)
-        if self.bug == "lr_high_late" and self.steps == 10:
+        if self.bug in ("lr_high_late", "lr_tiny_late") and self.steps == 10:
+            factor = 1.001 if self.bug == "lr_tiny_late" else float(self.spec.options.get("lr_factor", 1.1))
             for g in self.optimizer.param_groups:
-                g["lr"] *= float(self.spec.options.get("lr_factor", 1.1))
+                g["lr"] *= factor
         self.optimizer.step()
         self.steps += 1
         return total / n

@@ -62,6 +62,10 @@ class Case(BaseModel):
     """A second DDP run of a case group that splits each rank's batch into twice (or half) as many micro-batches:
     the same training summed in another order. Its distance from the reference is the group's measured noise
     floor, which sets the equivalence bounds (docs/methods.md#equivalence)."""
+    fp32_probe: bool = False
+    """A bf16 or fp16 case trains again in fp32 after its run (the same ranks, implementation, options and data),
+    judged against its group's fp32 DDP reference with the fp32 bounds: a logic bug that fp32 catches is not
+    hidden by bf16's wider noise (``zbench.rank.probe``, docs/methods.md#bf16-verdicts)."""
     paired_rounds: int = 0
     """After training, rounds of one step of this case and one of a DDP copy of its model, alternating
     (``zbench.rank.paired``): the regression gate's samples. Not part of what is trained or compared."""
@@ -116,6 +120,11 @@ class Case(BaseModel):
             self.grad_clip,
             self.activation_checkpointing,
         )
+
+    @property
+    def probe_reference_key(self) -> tuple[Any, ...]:
+        """The ``reference_key`` of the fp32 group whose DDP reference and twin judge this case's fp32 probe."""
+        return self.model_copy(update={"precision": "fp32"}).reference_key
 
     @property
     def is_reference(self) -> bool:

@@ -43,6 +43,15 @@ class CollectiveEntry(BaseModel):
     bytes: int
 
 
+class ProbeResult(_Message):
+    """One rank's fp32 probe of a bf16 case (``Case.fp32_probe``): what the fp32 verdict needs."""
+
+    losses: list[float]
+    grad_norms: list[float | None]
+    param_checksum: str
+    seconds: float
+
+
 class RankResult(_Message):
     """What one rank measured, for the harness to turn into the case's record."""
 
@@ -61,8 +70,10 @@ class RankResult(_Message):
     gpu_name: str | None
     parameters: int
     param_checksum: str
-    paired: PairedTiming = PairedTiming(skipped="not measured")
     """Hash of this rank's final full parameters: every rank must hold the same model."""
+    paired: PairedTiming = PairedTiming(skipped="not measured")
+    probe: ProbeResult | None = None
+    """The fp32 probe's run, when the case has one."""
 
 
 class RankError(_Message):
@@ -89,6 +100,11 @@ class CaseFiles:
     @property
     def params(self) -> Path:
         return self.workdir / "params.pt"
+
+    @property
+    def probe_params(self) -> Path:
+        """Rank 0's gather of the fp32 probe's final parameters."""
+        return self.workdir / "probe-params.pt"
 
     def result(self, rank: int) -> Path:
         return self.workdir / f"rank{rank}.json"

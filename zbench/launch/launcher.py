@@ -39,6 +39,8 @@ class Outcome:
     exit_codes: list[int | None] = field(default_factory=list)
     wall_s: float = 0.0
     params_path: Path | None = None
+    probe_params_path: Path | None = None
+    """The fp32 probe's final parameters (``Case.fp32_probe``), when it ran."""
     profile_paths: list[Path] = field(default_factory=list)
     """The ranks' profiler traces (``CaseFiles.profile``), whatever the status: a failed case's may show why."""
     pids: list[int] = field(default_factory=list)
@@ -234,5 +236,7 @@ def _classify(
         outcome.error = f"rank {missing} {_describe_exit(codes[missing])} without a result"
     if outcome.status == "ok" and files.params.exists():
         outcome.params_path = files.params
+    if outcome.status == "ok" and files.probe_params.exists():
+        outcome.probe_params_path = files.probe_params
     outcome.profile_paths = files.profiles(case.world_size)
     return outcome

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import hashlib
 import inspect
 import os
 import signal
@@ -40,7 +39,9 @@ from zbench.measure.phases import PhaseClock, clock_name
 from zbench.measure.profile import StepProfiler
 from zbench.measure.timing import timed
 from zbench.protocol import Engine, Implementation
+from zbench.rank.checksum import checksum
 from zbench.rank.paired import time_paired_rounds
+from zbench.rank.probe import run_fp32_probe
 from zbench.results.record import NvmlSummary, PairedTiming, PhaseTimes, RankMemory
 
 
@@ -154,6 +155,17 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
         engine.close()  # e.g. remove NVMe swap files
     if rank == 0:
         atomic_torch_save(params, files.params)
+    probe = None
+    if case.fp32_probe:
+        probe = run_fp32_probe(
+            case,
+            info=info,
+            rank=rank,
+            world=world,
+            device=device,
+            swap_dir=task.swap_dir,
+            params_path=files.probe_params,
+        )
     return RankResult(
         rank=rank,
         losses=losses,
@@ -171,17 +183,8 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
         parameters=info.parameters,
         param_checksum=checksum(params),
         paired=paired,
+        probe=probe,
     )
-
-
-def checksum(params: dict[str, torch.Tensor]) -> str:
-    """A hash of every parameter's name, shape and bytes, in name order."""
-    digest = hashlib.sha256()
-    for name in sorted(params):
-        tensor = params[name].detach().contiguous().cpu()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()[:16]
 
 
 def is_oom(exc: BaseException) -> bool:

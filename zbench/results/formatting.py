@@ -42,9 +42,14 @@ def verdict_text(record: CaseRecord) -> str:
         return "reference"
     if record.config.noise_twin:
         return "noise twin (sets the bounds)"
-    margins = [c.margin for c in eq.checks if c.margin is not None]
+    margins = [c.margin for c in eq.checks if c.margin is not None and not c.probe]
+    probed = [c.margin for c in eq.checks if c.margin is not None and c.probe]
     if eq.equivalent:
-        return f"equivalent (worst check at {max(margins):.0%} of its bound)" if margins else "equivalent"
+        worst = f"worst check at {max(margins):.0%} of its bound" if margins else ""
+        probe = f"fp32 probe's worst at {max(probed):.0%}" if probed else ""
+        unjudged = next((f"fp32 probe {c.detail}" for c in eq.checks if c.probe and c.passed is None), "")
+        within = "; ".join(filter(None, [worst, probe, unjudged]))
+        return f"equivalent ({within})" if within else "equivalent"
     failed = f" ({', '.join(eq.failed_checks)})" if eq.failed_checks else ""
     return f"NOT EQUIVALENT{failed}: {eq.reason or ''}"
 

@@ -216,6 +216,14 @@ class Check(_Part):
     """The noise twin's own figure (the bound is a multiple of it, docs/methods.md#equivalence)."""
     detail: str | None = None
     """Where the figure is: the step, the tensor, the ranks or the byte category."""
+    probe: bool = False
+    """Judged on the case's fp32 probe (``Case.fp32_probe``) against the fp32 reference and twin, with the fp32
+    bounds; else on the case's own run."""
+
+    @property
+    def label(self) -> str:
+        """The check's name as the verdict prints it: ``fp32 probe parameters`` for a probe's check."""
+        return f"fp32 probe {self.name}" if self.probe else self.name
 
     @property
     def margin(self) -> float | None:
@@ -246,7 +254,7 @@ class Equivalence(_Part):
 
     @property
     def failed_checks(self) -> list[str]:
-        return [c.name for c in self.checks if c.passed is False]
+        return [c.label for c in self.checks if c.passed is False]
 
 
 class SummaryRow(BaseModel):
@@ -274,11 +282,27 @@ class SummaryRow(BaseModel):
     max_rel_param_diff: float | None
     equivalent: bool | None
     failed_checks: list[str]
-    """The equivalence checks that failed (``loss``, ``grad_norm``, ``parameters``, ``ranks``, ``model_state``)."""
+    """The equivalence checks that failed (``loss``, ``grad_norm``, ``parameters``, ``ranks``, ``model_state``;
+    ``fp32 probe loss`` ... for the checks of a bf16 case's fp32 probe)."""
     error: str | None
     cost_per_step: float | None = None
     """At the suite's ``price_per_gpu_hour``: every rank of the case for one median step."""
     cost_per_million_tokens: float | None = None
+
+
+class Fp32Probe(_Part):
+    """A bf16 (or fp16) case's fp32 probe: the same implementation, options and data trained again in fp32 by the
+    same ranks (``Case.fp32_probe``), judged against the fp32 DDP reference with the fp32 bounds."""
+
+    losses: list[float]
+    """Per step, averaged over ranks."""
+    grad_norms: list[float | None]
+    """Per step, as rank 0's engine reported it (``None`` where it reports none)."""
+    param_checksums: list[str]
+    params_file: str | None = None
+    """The probe's final parameters (relative to the run directory) until its verdict is stored."""
+    seconds: float
+    """Wall time of the probe on the slowest rank: build, train, gather (its cost to the case)."""
 
 
 class CaseRecord(_Part):
@@ -317,6 +341,8 @@ class CaseRecord(_Part):
     """Final parameters (relative to the run directory) while they are kept; see ``Case.keep_params``."""
     param_checksums: list[str] = Field(default_factory=list)
     """Each rank's hash of its final full parameters (they must all agree)."""
+    probe: Fp32Probe | None = None
+    """The fp32 probe's run, for a bf16 or fp16 case that had one (``Case.fp32_probe``)."""
     profile_traces: list[str] = Field(default_factory=list)
     """The ranks' torch.profiler Chrome traces of the suite's ``profile.steps``, relative to the run directory
     (``profiles/<case-id>/profile-rank<R>.json``), rank order; one per rank that wrote one."""

@@ -25,6 +25,7 @@ from zbench.results.record import (
     CaseRecord,
     CommSummary,
     EnergySummary,
+    Fp32Probe,
     LocationTotal,
     MemorySummary,
     ModelState,
@@ -132,9 +133,25 @@ def measured(record: CaseRecord, ranks: list[RankResult]) -> CaseRecord:
             ),
             "model_state": model_state(case, ranks),
             "paired": paired_timing(ranks),
+            "probe": fp32_probe(ranks),
             "comms": comms,
             "phases": phases,
         }
+    )
+
+
+def fp32_probe(ranks: list[RankResult]) -> Fp32Probe | None:
+    """The fp32 probe's run as the case's steps are: losses averaged over ranks, rank 0's gradient norms, the
+    slowest rank's time."""
+    probes = [r.probe for r in ranks]
+    if any(p is None for p in probes):
+        return None
+    runs = [p for p in probes if p is not None]
+    return Fp32Probe(
+        losses=[sum(step) / len(step) for step in zip(*(p.losses for p in runs), strict=True)],
+        grad_norms=runs[0].grad_norms,
+        param_checksums=[p.param_checksum for p in runs],
+        seconds=max(p.seconds for p in runs),
     )
 
 

@@ -23,6 +23,7 @@ JSON_FIELDS = (
     "case_id",
     "implementation",
     "noise_twin",
+    "precision",
     "status",
     "step_time_median_s",
     "step_time_iqr_s",
@@ -98,8 +99,10 @@ class Comparison:
         rows = [r.summary_row() for r in records]
         table = Table(title=f"zbench compare (run {self.result.run.run_id})")
         table.add_column("", no_wrap=True)
+        mixed = len({r.precision for r in rows}) > 1  # a bf16 comparison's fp32 probe references beside it
         for r in rows:
-            table.add_column(r.implementation, justify="right")
+            header = r.implementation + (" twin" if r.noise_twin else "") + (f" {r.precision}" if mixed else "")
+            table.add_column(header, justify="right")
         for label, cell in ROWS:
             table.add_row(label, *(Text(cell(r, rec)) for r, rec in zip(rows, records)))
         return table

@@ -15,7 +15,7 @@ from zbench.cases.case import Case
 from zbench.errors import UsageError
 from zbench.launch.handoff import WorkerTask
 from zbench.launch.launcher import ONE_NODE, Launcher, run_case
-from zbench.results.record import CaseRecord
+from zbench.results.record import CaseRecord, Fp32Probe
 from zbench.results.run_info import RunInfo, SuiteInfo
 from zbench.results.store import RunDir, RunLock, RunLocked, new_run_id, now
 from zbench.run import environment
@@ -166,12 +166,13 @@ class References:
         elif record.config.noise_twin:
             self._twins[record.config.reference_key] = record
 
-    def find(self, case: Case) -> CaseRecord | None:
-        return self._by_key.get(case.reference_key)
+    def find(self, case: Case, *, probe: bool = False) -> CaseRecord | None:
+        """The case's DDP reference; ``probe``: the fp32 one its fp32 probe is judged against."""
+        return self._by_key.get(case.probe_reference_key if probe else case.reference_key)
 
-    def twin(self, case: Case) -> CaseRecord | None:
-        """The group's noise twin, if it ran and finished with its parameters."""
-        twin = self._twins.get(case.reference_key)
+    def twin(self, case: Case, *, probe: bool = False) -> CaseRecord | None:
+        """The group's noise twin (``probe``: the fp32 group's), if it ran and finished with its parameters."""
+        twin = self._twins.get(case.probe_reference_key if probe else case.reference_key)
         return twin if twin is not None and twin.ok and self._has_params(twin) else None
 
     def _has_params(self, record: CaseRecord) -> bool:
@@ -179,7 +180,8 @@ class References:
 
     def lost_params(self, case: Case) -> list[CaseRecord]:
         """The case's reference and twin that finished but whose parameters are gone (a finished run, resumed)."""
-        lost = [self._by_key.get(case.reference_key), self._twins.get(case.reference_key)]
+        keys = [case.reference_key, *([case.probe_reference_key] if case.fp32_probe else [])]
+        lost = [group.get(key) for key in keys for group in (self._by_key, self._twins)]
         return [r for r in lost if r is not None and r.ok and not self._has_params(r)]
 
     def release_params(self) -> list[CaseRecord]:
@@ -230,17 +232,39 @@ def _run_one(
             if outcome.params_path is not None:
                 move_into_place(outcome.params_path, run.params_path(case.case_id))
                 record.params_file = str(run.params_path(case.case_id).relative_to(run.path))
+            if outcome.probe_params_path is not None and record.probe is not None:
+                move_into_place(outcome.probe_params_path, run.params_path(f"{case.case_id}.fp32-probe"))
+                record.probe.params_file = str(run.params_path(f"{case.case_id}.fp32-probe").relative_to(run.path))
             record.profile_traces = _keep_profiles(outcome.profile_paths, run, case)
     except UsageError as exc:  # the NVMe directory went away or filled up since the suite was checked
         return failed_record(case, str(exc), started_at=started_at, ended_at=now())
     if record.ok:
         reference = references.find(case) if not case.is_reference else record
         # the twin is the noise floor itself: judged against itself as the noise, its margins are 1/multiple
-        _compare_with_reference(record, run, reference, record if case.noise_twin else references.twin(case))
+        twin = record if case.noise_twin else references.twin(case)
+        probe = _probe_evidence(record.probe, case, run, references) if record.probe is not None else None
+        _compare_with_reference(record, run, reference, twin, probe)
     if record.params_file is not None and not case.is_reference and not case.noise_twin and not case.keep_params:
         (run.path / record.params_file).unlink(missing_ok=True)
         record.params_file = None
+    if record.probe is not None and record.probe.params_file is not None and not case.keep_params:
+        (run.path / record.probe.params_file).unlink(missing_ok=True)
+        record.probe.params_file = None
     return record
+
+
+def _probe_evidence(probe: Fp32Probe, case: Case, run: RunDir, references: References) -> equivalence.ProbeEvidence:
+    """The fp32 probe's run with the fp32 reference and twin of its group, for its verdict."""
+    reference = references.find(case, probe=True)
+    twin = references.twin(case, probe=True)
+    return equivalence.ProbeEvidence(
+        probe=probe,
+        reference=reference,
+        twin=twin,
+        params_path=run.path / probe.params_file if probe.params_file else None,
+        reference_params_path=run.path / reference.params_file if reference and reference.params_file else None,
+        twin_params_path=run.path / twin.params_file if twin and twin.params_file else None,
+    )
 
 
 def _keep_profiles(traces: list[Path], run: RunDir, case: Case) -> list[str]:
@@ -255,7 +279,11 @@ def _keep_profiles(traces: list[Path], run: RunDir, case: Case) -> list[str]:
 
 
 def _compare_with_reference(
-    record: CaseRecord, run: RunDir, reference: CaseRecord | None, twin: CaseRecord | None
+    record: CaseRecord,
+    run: RunDir,
+    reference: CaseRecord | None,
+    twin: CaseRecord | None,
+    probe: equivalence.ProbeEvidence | None = None,
 ) -> None:
     if reference is None or not reference.ok:
         why = (
@@ -276,4 +304,5 @@ def _compare_with_reference(
         params_path=run.path / record.params_file if record.params_file else None,
         reference_params_path=run.path / reference.params_file if reference.params_file else None,
         twin_params_path=run.path / twin.params_file if twin and twin.params_file else None,
+        probe=probe,
     )

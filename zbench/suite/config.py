@@ -195,6 +195,10 @@ class SuiteConfig(_Frozen):
     noise_twin: bool = True
     """Run each DDP reference twice, the second time with its batch split another way, to measure the noise floor
     the equivalence bounds scale with (docs/methods.md#equivalence); off: fixed bounds."""
+    fp32_probe: bool = True
+    """Each bf16 or fp16 case also trains in fp32 after its run, in the same processes, and is judged on that too,
+    with the fp32 bounds (docs/methods.md#bf16-verdicts): bf16's noise hides logic bugs that fp32 catches. The
+    fp32 DDP reference and twin it is judged against are added to the suite when it has no fp32 cases."""
     profile: ProfileConfig | None = None
     """Record a Chrome trace of these steps on every rank (``profile: {steps: [5, 6]}``); the profiler slows them,
     so they are left out of the step-time statistics."""

@@ -153,12 +153,13 @@ def deepspeed_settings(
 
 
 def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str, Implementation]) -> list[Case]:
-    """The cartesian product of the suite's axes as cases, DDP first in each group, unsupported ones skipped."""
+    """The cartesian product of the suite's axes as cases, DDP first in each group, unsupported ones skipped; fp32
+    before the other precisions, whose cases' fp32 probes are judged against its references (``with_probes``)."""
     cases = []
     for model, world, precision, checkpointing, entry in itertools.product(
         config.models,
         config.world_sizes,
-        config.precisions,
+        sorted(config.precisions, key=lambda p: p != "fp32"),
         config.activation_checkpointing,
         entries_with_reference(config),
     ):
@@ -219,7 +220,44 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
             twin = case.twin() if config.noise_twin and case.is_reference and reason is None else None
             if twin is not None:
                 cases.append(twin)
-    return cases
+    return with_probes(cases) if config.fp32_probe else cases
+
+
+def probe_applies(case: Case) -> bool:
+    """A bf16/fp16 case that runs, is judged against DDP, and whose implementation trains it in fp32 too."""
+    if case.precision == "fp32" or case.skip_reason or case.is_reference or case.noise_twin:
+        return False
+    caps = case.capabilities
+    return caps is None or (
+        caps.why_unsupported(
+            stage=case.stage,
+            precision="fp32",
+            offload=case.offload,
+            device=case.device,
+            optimizer=case.optimizer,
+            grad_accum=case.grad_accum,
+            grad_clip=case.grad_clip,
+        )
+        is None
+    )
+
+
+def with_probes(cases: list[Case]) -> list[Case]:
+    """``cases`` with ``fp32_probe`` set where it applies, and the fp32 DDP reference (and twin) those probes are
+    judged against inserted before their group when the suite has no such fp32 case."""
+    fp32_groups = {c.reference_key for c in cases if c.is_reference}
+    out: list[Case] = []
+    for case in cases:
+        if case.is_reference and case.precision != "fp32":
+            probed = any(probe_applies(c) and c.probe_reference_key == case.probe_reference_key for c in cases)
+            if probed and case.probe_reference_key not in fp32_groups:
+                reference = case.model_copy(update={"precision": "fp32"})
+                twinned = any(c.noise_twin and c.reference_key == case.reference_key for c in cases)
+                twin = reference.twin() if twinned else None
+                out += [reference, *([twin] if twin else [])]
+                fp32_groups.add(reference.reference_key)
+        out.append(case.model_copy(update={"fp32_probe": True}) if probe_applies(case) else case)
+    return out
 
 
 def prepare(suite: SuiteFile, *, nnodes: int = 1) -> Suite:

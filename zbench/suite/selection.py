@@ -1,7 +1,8 @@
 """``zbench run -k PATTERN``: run some of a suite's cases without editing it.
 
 ``-k PATTERN`` keeps the cases whose id contains PATTERN (or matches it as a glob when it has ``*``,
-``?`` or ``[``), together with the DDP reference (and noise twin) each kept case is judged against.
+``?`` or ``[``), together with the DDP reference (and noise twin) each kept case is judged against, and the fp32
+ones its fp32 probe is judged against.
 (``--set KEY=VALUE``, its companion, is ``zbench.suite.config.with_overrides``.)
 """
 
@@ -31,7 +32,8 @@ def select(cases: Sequence[Case], patterns: Iterable[str]) -> tuple[Case, ...]:
             sample = ", ".join(c.case_id for c in cases[:3])
             raise UsageError(f"-k {pattern}: matches none of the suite's {len(cases)} cases (ids look like {sample})")
     chosen = {c.case_id for c in cases if any(_matches(c.case_id, p) for p in patterns)}
-    judged = {c.reference_key for c in cases if c.case_id in chosen and c.implementation != REFERENCE}
+    kept = [c for c in cases if c.case_id in chosen and c.implementation != REFERENCE]
+    judged = {c.reference_key for c in kept} | {c.probe_reference_key for c in kept if c.fp32_probe}
     return tuple(
         c for c in cases if c.case_id in chosen or (c.implementation == REFERENCE and c.reference_key in judged)
     )

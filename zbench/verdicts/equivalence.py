@@ -23,6 +23,14 @@ of its own group with a *noise twin* (``Case.noise_twin``: DDP again, with each 
 into another number of micro-batches: the same training summed in another order), and each bound is
 ``multiple x`` the twin's own difference from the reference, never below a least bound. Without a
 twin (a batch that cannot be split evenly) the checks fall back to the least bounds and say so.
+
+bf16 (and fp16). Rounding noise there is orders of magnitude larger, so a logic bug that fp32 catches a hundred
+times over (a 0.1% learning-rate error, weight decay skipped on biases, a stale gradient on one tensor) can sit
+inside the bf16 bounds. A bf16 case therefore also trains in fp32 after its run (``zbench.rank.probe``), and that
+*fp32 probe* is judged like an fp32 case (loss, gradient norm, parameters, ranks: ``probe_checks``) against the
+fp32 group's reference and twin. The case is equivalent only when both its own run and its probe are; each check
+says which run it judged (``Check.probe``). Bugs that live only in the bf16 path are the bf16 run's checks' (and
+the model-state check's) to catch.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from zbench.results.record import CaseRecord, Check, Equivalence
+from zbench.results.record import CaseRecord, Check, Equivalence, Fp32Probe
 from zbench.values import Precision
 
 
@@ -181,7 +189,11 @@ def parameter_check(
 
 
 def ranks_check(case: CaseRecord) -> Check:
-    sums = case.param_checksums
+    return checksum_check(case.param_checksums)
+
+
+def checksum_check(sums: list[str]) -> Check:
+    """Every rank's final parameters hash the same."""
     if not sums:
         return Check(name="ranks", passed=None, detail="no per-rank checksums recorded")
     differing = [rank for rank, s in enumerate(sums) if s != sums[0]]
@@ -213,6 +225,60 @@ def model_state_check(case: CaseRecord) -> Check:
     return Check(name="model_state", passed=worst_ratio <= 1.0, figure=worst_ratio, bound=1.0, detail=detail)
 
 
+@dataclass(frozen=True)
+class ProbeEvidence:
+    """A bf16 case's fp32 probe with what it is judged against: the fp32 group's DDP reference and noise twin,
+    and the three runs' final parameters (``None`` where not stored)."""
+
+    probe: Fp32Probe
+    reference: CaseRecord | None
+    twin: CaseRecord | None
+    params_path: Path | None
+    reference_params_path: Path | None
+    twin_params_path: Path | None
+
+
+def probe_checks(evidence: ProbeEvidence) -> list[Check]:
+    """The fp32 probe judged as an fp32 case is: loss, gradient norm, parameters and ranks, with the fp32 bounds
+    scaled by the fp32 twin's noise. One check that could not run (``passed`` None) when the fp32 reference or a
+    parameter file is missing."""
+    probe, reference, twin = evidence.probe, evidence.reference, evidence.twin
+    if reference is None or not reference.ok:
+        why = "no fp32 DDP reference" if reference is None else f"the fp32 reference {reference.case_id} failed"
+        return [Check(name="loss", passed=None, probe=True, detail=f"not run: {why}")]
+    if evidence.params_path is None or evidence.reference_params_path is None:
+        return [Check(name="parameters", passed=None, probe=True, detail="not run: final parameters not stored")]
+    ref_norms = grad_norms(reference)
+    noise = relative_series_difference(twin.losses(), reference.losses())[0] if twin else None
+    checks = [_series_check("loss", probe.losses, reference.losses(), noise, "fp32")]
+    if None in probe.grad_norms or None in ref_norms:
+        checks.append(Check(name="grad_norm", passed=None, detail="no grad_norm reported"))
+    else:
+        twin_norms = grad_norms(twin) if twin else None
+        norm_noise = (
+            relative_series_difference(twin_norms, ref_norms)[0]
+            if twin_norms is not None and None not in twin_norms
+            else None
+        )
+        checks.append(_series_check("grad_norm", probe.grad_norms, ref_norms, norm_noise, "fp32"))
+    twin_params = load_params(evidence.twin_params_path) if twin and evidence.twin_params_path else None
+    checks.append(
+        parameter_check(
+            load_params(evidence.params_path), load_params(evidence.reference_params_path), twin_params, "fp32"
+        )
+    )
+    checks.append(checksum_check(probe.param_checksums))
+    return [c.model_copy(update={"probe": True}) for c in checks]
+
+
+def _reasons(checks: list[Check]) -> list[str]:
+    failed = [c for c in checks if c.passed is False]
+    return [
+        c.detail or c.label if c.name == "ranks" else f"{c.label} {c.figure:.3g} > bound {c.bound:.3g} ({c.detail})"
+        for c in failed
+    ]
+
+
 def verdict(
     case: CaseRecord,
     reference: CaseRecord,
@@ -221,8 +287,10 @@ def verdict(
     params_path: Path | None,
     reference_params_path: Path | None,
     twin_params_path: Path | None,
+    probe: ProbeEvidence | None = None,
 ) -> Equivalence:
-    """The stored equivalence verdict: every check's figure, bound and noise, pass or fail, and why."""
+    """The stored equivalence verdict: every check's figure, bound and noise, pass or fail, and why; with
+    ``probe``, the fp32 probe's checks too (the case passes only when both runs do)."""
     precision = case.config.precision
     out = Equivalence(equivalent=False, reference_case=reference.case_id, twin_case=twin.case_id if twin else None)
     try:
@@ -238,17 +306,19 @@ def verdict(
             model_state_check(case),
         ]
         out.max_rel_param_diff = model_wide_difference(params, ref_params)
+        probed = probe_checks(probe) if probe is not None else []
     except (ValueError, OSError, RuntimeError) as exc:
         out.reason = str(exc)
         return out
-    out.checks = checks
+    out.checks = checks + probed
     out.max_rel_loss_diff = checks[0].figure
     out.worst_parameter, out.worst_parameter_rel_diff = checks[2].detail, checks[2].figure
-    failed = [c for c in checks if c.passed is False]
     scale_blind = checks[1].passed is None and case.config.optimizer == "adamw"
-    out.equivalent = not failed and not scale_blind
-    reasons = [f"{c.name} {c.figure:.3g} > bound {c.bound:.3g} ({c.detail})" for c in failed if c.name != "ranks"]
-    reasons += [c.detail or c.name for c in failed if c.name == "ranks"]
+    out.equivalent = not out.failed_checks and not scale_blind
+    reasons = _reasons(checks)
+    if probed and not reasons and _reasons(probed):
+        reasons.append(f"{precision} run within its bounds (worst: {worst_margin(checks)})")
+    reasons += _reasons(probed)
     if scale_blind:
         reasons.append(
             f"gradient scale unchecked: {checks[1].detail}, and AdamW hides a constant gradient scale "
@@ -256,6 +326,15 @@ def verdict(
         )
     out.reason = "; ".join(reasons) or None
     return out
+
+
+def worst_margin(checks: list[Check]) -> str:
+    """The check nearest its bound, as ``parameters at 23% of its bound``."""
+    measured = [c for c in checks if c.margin is not None]
+    if not measured:
+        return "no check measured"
+    worst = max(measured, key=lambda c: c.margin or 0.0)
+    return f"{worst.label} at {worst.margin:.0%} of its bound"
 
 
 def not_checked(why: str) -> Equivalence:
