@@ -125,14 +125,16 @@ def assert_equivalent_to_ddp(
     suite = preflight.prepare(suite_mod.from_flags(config))
     with tempfile.TemporaryDirectory(prefix="zbench-testing-") as tmp:
         result = run_suite(suite, results_root=Path(results or tmp), progress=Progress(quiet=True))
-    record = next(r for r in result.records if r.config.implementation == implementation)
+    record = next(
+        r for r in result.records if r.config.implementation == implementation and r.config.precision == precision
+    )
     if not record.ok:
         reason = record.skip_reason or record.error
         raise AssertionError(f"{implementation} did not run ({record.status}): {reason}\n{record.stderr_tail}")
     eq = record.equivalence
     if eq is None or not eq.equivalent:
         checks = "; ".join(
-            f"{c.name}: {'not run' if c.passed is None else 'PASS' if c.passed else 'FAIL'}"
+            f"{c.label}: {'not run' if c.passed is None else 'PASS' if c.passed else 'FAIL'}"
             + (f" {c.figure:.3g} (bound {c.bound:.3g})" if c.figure is not None and c.bound is not None else "")
             + (f" [{c.detail}]" if c.detail else "")
             for c in (eq.checks if eq else [])
