@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import inspect
 import os
 import signal
@@ -30,7 +31,7 @@ from zbench.cases import registry
 from zbench.cases.case import Case
 from zbench.cases.model_source import ModelInfo, build, model_info
 from zbench.cases.models import checkpoint_blocks, rank_micro_batches, synthetic_batch
-from zbench.launch.handoff import CaseFiles, CollectiveEntry, RankError, RankResult, WorkerTask
+from zbench.launch.handoff import CaseFiles, CollectiveEntry, ProbeResult, RankError, RankResult, WorkerTask
 from zbench.measure import comms
 from zbench.measure.bandwidth import probe_bus_bandwidth
 from zbench.measure.memory import peak_memory, reset_peak
@@ -155,17 +156,6 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
         engine.close()  # e.g. remove NVMe swap files
     if rank == 0:
         atomic_torch_save(params, files.params)
-    probe = None
-    if case.fp32_probe:
-        probe = run_fp32_probe(
-            case,
-            info=info,
-            rank=rank,
-            world=world,
-            device=device,
-            swap_dir=task.swap_dir,
-            params_path=files.probe_params,
-        )
     return RankResult(
         rank=rank,
         losses=losses,
@@ -183,8 +173,25 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
         parameters=info.parameters,
         param_checksum=checksum(params),
         paired=paired,
-        probe=probe,
     )
+
+
+def fp32_probe(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: torch.device) -> ProbeResult:
+    """The case's fp32 probe (``zbench.rank.probe``); a failure in it is the case's error, said to be the probe's
+    (an fp32 copy that does not fit where bf16 did: the suite's ``fp32_probe: false``)."""
+    gc.collect()
+    try:
+        return run_fp32_probe(
+            task.case,
+            info=model_info(task.case.model),
+            rank=rank,
+            world=world,
+            device=device,
+            swap_dir=task.swap_dir,
+            params_path=files.probe_params,
+        )
+    except Exception as exc:
+        raise RuntimeError(f"fp32 probe: {type(exc).__name__}: {exc}") from exc
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -266,6 +273,8 @@ def main(argv: list[str]) -> int:
             device_id=device if device.type == "cuda" else None,
         )
         result = train(task, files, rank, world, device)
+        if task.case.fp32_probe:  # after train() has returned: the case's model and engine are freed first
+            result.probe = fp32_probe(task, files, rank, world, device)
     except BaseException as exc:  # recorded for the launcher, then the process dies without waiting on peers
         error = RankError(
             rank=rank,
