@@ -86,6 +86,8 @@ def deepspeed_config(spec: TrainSpec, micro_batch: int) -> dict[str, Any]:
         config["bf16"] = {**dict(user.get("bf16") or {}), "enabled": True}
         config.setdefault("communication_data_type", "fp32")
         config.setdefault("data_types", {"grad_accum_dtype": "fp32"})
+    else:  # the case's precision wins over a config written for bf16 (a bf16 case's fp32 probe trains from it)
+        config.pop("bf16", None)
     return config
 
 

@@ -147,15 +147,23 @@ def loss_check(case: CaseRecord, reference: CaseRecord, twin: CaseRecord | None)
 
 def grad_norm_check(case: CaseRecord, reference: CaseRecord, twin: CaseRecord | None) -> Check:
     """Not run when either side reports no gradient norm; the verdict then depends on the optimizer."""
-    mine, ref = grad_norms(case), grad_norms(reference)
+    mine = grad_norms(case)
+    who = case.config.implementation if None in mine else reference.config.implementation
+    return norm_series_check(mine, reference, twin, case.config.precision, who=who)
+
+
+def norm_series_check(
+    mine: Sequence[float | None], reference: CaseRecord, twin: CaseRecord | None, precision: Precision, *, who: str
+) -> Check:
+    """Per-step gradient norms against the reference's, bounded by the twin's own difference (when it has norms)."""
+    ref = grad_norms(reference)
     if None in mine or None in ref:
-        who = case.config.implementation if None in mine else reference.config.implementation
         return Check(name="grad_norm", passed=None, detail=f"{who} reports no grad_norm in Engine.metrics()")
     twin_norms = grad_norms(twin) if twin else None
     noise = (
         relative_series_difference(twin_norms, ref)[0] if twin_norms is not None and None not in twin_norms else None
     )
-    return _series_check("grad_norm", mine, ref, noise, case.config.precision)
+    return _series_check("grad_norm", mine, ref, noise, precision)
 
 
 def parameter_check(
@@ -248,19 +256,11 @@ def probe_checks(evidence: ProbeEvidence) -> list[Check]:
         return [Check(name="loss", passed=None, probe=True, detail=f"not run: {why}")]
     if evidence.params_path is None or evidence.reference_params_path is None:
         return [Check(name="parameters", passed=None, probe=True, detail="not run: final parameters not stored")]
-    ref_norms = grad_norms(reference)
     noise = relative_series_difference(twin.losses(), reference.losses())[0] if twin else None
-    checks = [_series_check("loss", probe.losses, reference.losses(), noise, "fp32")]
-    if None in probe.grad_norms or None in ref_norms:
-        checks.append(Check(name="grad_norm", passed=None, detail="no grad_norm reported"))
-    else:
-        twin_norms = grad_norms(twin) if twin else None
-        norm_noise = (
-            relative_series_difference(twin_norms, ref_norms)[0]
-            if twin_norms is not None and None not in twin_norms
-            else None
-        )
-        checks.append(_series_check("grad_norm", probe.grad_norms, ref_norms, norm_noise, "fp32"))
+    checks = [
+        _series_check("loss", probe.losses, reference.losses(), noise, "fp32"),
+        norm_series_check(probe.grad_norms, reference, twin, "fp32", who="the fp32 probe or its reference"),
+    ]
     twin_params = load_params(evidence.twin_params_path) if twin and evidence.twin_params_path else None
     checks.append(
         parameter_check(
