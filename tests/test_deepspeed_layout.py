@@ -106,3 +106,19 @@ def test_a_presets_parameter_sizes_are_its_modules():
         distinct = {id(p): p.numel() for p in model.parameters()}
         assert cfg.parameter_sizes == tuple(distinct.values()), name
         assert sum(cfg.parameter_sizes) == cfg.num_parameters, name
+
+
+def test_the_cases_precision_wins_over_a_config_written_for_bf16():
+    """A bf16 case's fp32 probe trains from the same DeepSpeed config: its ``bf16`` section must not make it bf16."""
+    from zbench.implementations.deepspeed_zero import deepspeed_config
+    from zbench.protocol import TrainSpec
+
+    user = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    bf16 = deepspeed_config(
+        TrainSpec(device=torch.device("cpu"), precision="bf16", stage=3, options={"config": user}), 2
+    )
+    fp32 = deepspeed_config(
+        TrainSpec(device=torch.device("cpu"), precision="fp32", stage=3, options={"config": user}), 2
+    )
+    assert bf16["bf16"] == {"enabled": True} and "bf16" not in fp32
+    assert fp32["zero_optimization"]["stage"] == 3
