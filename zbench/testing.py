@@ -125,8 +125,11 @@ def assert_equivalent_to_ddp(
     suite = preflight.prepare(suite_mod.from_flags(config))
     with tempfile.TemporaryDirectory(prefix="zbench-testing-") as tmp:
         result = run_suite(suite, results_root=Path(results or tmp), progress=Progress(quiet=True))
+    asked = suite.config.precisions[0]  # the argument's, or the DeepSpeed config's (a bf16 run adds fp32 references)
     record = next(
-        r for r in result.records if r.config.implementation == implementation and r.config.precision == precision
+        r
+        for r in result.records
+        if r.config.implementation == implementation and r.config.precision == asked and not r.config.noise_twin
     )
     if not record.ok:
         reason = record.skip_reason or record.error
