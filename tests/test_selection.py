@@ -38,18 +38,25 @@ def test_the_issue_command_lists_what_it_would_run():
 
 @pytest.mark.heavy
 def test_a_dry_run_lists_exactly_what_the_run_then_runs(tmp_path):
-    """``-k zero2`` keeps zero2 and the DDP reference and noise twin it is judged against, nothing else."""
+    """``-k zero2`` keeps zero2 and the DDP reference and noise twin it is judged against (in bf16 the fp32 ones its
+    fp32 probe is judged against too), nothing else."""
     dry = zbench("run", SCALING, *HERE, "-k", "zero2", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     listed = listed_cases(dry.stdout)
-    assert listed == ["tiny-ddp-s0-w2-bf16-none", "tiny-ddp-s0-w2-bf16-none-twin", "tiny-zero2-s2-w2-bf16-none"]
+    assert listed == [
+        "tiny-ddp-s0-w2-fp32-none",
+        "tiny-ddp-s0-w2-fp32-none-twin",
+        "tiny-ddp-s0-w2-bf16-none",
+        "tiny-ddp-s0-w2-bf16-none-twin",
+        "tiny-zero2-s2-w2-bf16-none",
+    ]
     assert not (tmp_path / "results").exists()
     ran = zbench(
         "run", SCALING, *HERE, "-k", "zero2", "--results", str(tmp_path / "results"), "--report", str(tmp_path)
     )
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
     records = [json.loads(p.read_text()) for p in (tmp_path / "results").glob("*/cases/*.json")]
-    assert sorted(r["case_id"] for r in records) == listed
+    assert sorted(r["case_id"] for r in records) == sorted(listed)
     zero2 = next(r for r in records if r["config"]["implementation"] == "zero2")
     assert zero2["equivalence"]["equivalent"] and zero2["config"]["steps"] == 3
 
