@@ -24,14 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zbench.cases import registry
 from zbench.cases.case import REFERENCE, Case
 from zbench.cases.formulas import expected_state_bytes
-from zbench.cases.model_source import ModelInfo, build
-from zbench.cases.models import checkpoint_blocks, rank_micro_batches, synthetic_batch
+from zbench.cases.model_source import ModelInfo
 from zbench.measure.memory import free_bytes
 from zbench.measure.timing import timed
 from zbench.protocol import Engine
+from zbench.rank.training import build_engine, step_batches
 from zbench.results.record import PairedTiming
 
 WARMUP_ROUNDS = 2
@@ -109,14 +108,8 @@ def _rounds(
     swap_dir: str | None,
     after_step: Callable[[], Any],
 ) -> PairedTiming:
-    model = build(case.model, seed=case.seed, device=device)
-    if case.activation_checkpointing:
-        checkpoint_blocks(model)
     reference_case = case.model_copy(update={"implementation": REFERENCE, "stage": 0, "offload": "none", "options": {}})
-    reference = registry.resolve(REFERENCE).build(
-        model, reference_case.train_spec(device, swap_dir=swap_dir), dist.group.WORLD
-    )
-    rows = case.micro_batch * case.grad_accum * world
+    _, reference = build_engine(reference_case, device, swap_dir)
     engines = {"case": engine, "reference": reference}
     times: dict[str, list[float]] = {"case": [], "reference": []}
     started = time.perf_counter()
@@ -126,10 +119,7 @@ def _rounds(
                 time.perf_counter() - started < case.paired_seconds, device
             ):
                 break
-            batch = synthetic_batch(info, seed=case.seed, step=case.steps + i, rows=rows, seq=case.seq_len)
-            micro_batches = rank_micro_batches(
-                batch, rank=rank, world=world, grad_accum=case.micro_batches_per_step, device=device
-            )
+            micro_batches = step_batches(case, info, case.steps + i, rank=rank, world=world, device=device)
             order = ("case", "reference") if i % 2 == 0 else ("reference", "case")
             for name in order:
                 _, seconds = timed(partial(engines[name].step, micro_batches), device=device, barrier=dist.barrier)

@@ -22,12 +22,11 @@ import torch
 import torch.distributed as dist
 
 from zbench.atomic import atomic_torch_save
-from zbench.cases import registry
 from zbench.cases.case import Case
-from zbench.cases.model_source import ModelInfo, build
-from zbench.cases.models import checkpoint_blocks, rank_micro_batches, synthetic_batch
+from zbench.cases.model_source import ModelInfo
 from zbench.launch.handoff import ProbeResult
 from zbench.rank.checksum import checksum
+from zbench.rank.training import build_engine, step_batches
 
 
 def probe_case(case: Case) -> Case:
@@ -49,21 +48,12 @@ def run_fp32_probe(
     ``params_path``."""
     start = time.perf_counter()
     fp32 = probe_case(case)
-    model = build(fp32.model, seed=fp32.seed, device=device)
-    if fp32.activation_checkpointing:
-        checkpoint_blocks(model)
-    engine = registry.resolve(fp32.implementation).build(
-        model, fp32.train_spec(device, swap_dir=swap_dir), dist.group.WORLD
-    )
-    rows = fp32.micro_batch * fp32.grad_accum * world
+    _, engine = build_engine(fp32, device, swap_dir)
     losses: list[float] = []
     grad_norms: list[float | None] = []
     try:
         for step in range(fp32.steps):
-            batch = synthetic_batch(info, seed=fp32.seed, step=step, rows=rows, seq=fp32.seq_len)
-            micro_batches = rank_micro_batches(
-                batch, rank=rank, world=world, grad_accum=fp32.micro_batches_per_step, device=device
-            )
+            micro_batches = step_batches(fp32, info, step, rank=rank, world=world, device=device)
             losses.append(float(engine.step(micro_batches)))
             grad_norms.append(engine.metrics().get("grad_norm"))
         params = engine.full_parameters()

@@ -29,8 +29,7 @@ import torch.distributed as dist
 from zbench.atomic import atomic_torch_save, atomic_write_json
 from zbench.cases import registry
 from zbench.cases.case import Case
-from zbench.cases.model_source import ModelInfo, build, model_info
-from zbench.cases.models import checkpoint_blocks, rank_micro_batches, synthetic_batch
+from zbench.cases.model_source import ModelInfo, model_info
 from zbench.launch.handoff import CaseFiles, CollectiveEntry, ProbeResult, RankError, RankResult, WorkerTask
 from zbench.measure import comms
 from zbench.measure.bandwidth import probe_bus_bandwidth
@@ -39,10 +38,11 @@ from zbench.measure.nvml import NvmlSampler
 from zbench.measure.phases import PhaseClock, clock_name
 from zbench.measure.profile import StepProfiler
 from zbench.measure.timing import timed
-from zbench.protocol import Engine, Implementation
+from zbench.protocol import Implementation
 from zbench.rank.checksum import checksum
 from zbench.rank.paired import time_paired_rounds
 from zbench.rank.probe import run_fp32_probe
+from zbench.rank.training import build_engine, step_batches
 from zbench.results.record import NvmlSummary, PairedTiming, PhaseTimes, RankMemory
 
 
@@ -79,29 +79,11 @@ def expected_comm_elements(implementation: Implementation, info: ModelInfo, worl
     return int(declared) if declared is not None else comms.theory_elements(info.parameters, stage)
 
 
-def check_engine(engine: object, name: str) -> Engine:
-    """The engine an implementation built, checked against the protocol (a plug-in may lack a member)."""
-    missing = [m for m in ("step", "full_parameters", "state_bytes", "metrics", "close") if not hasattr(engine, m)]
-    if missing:
-        raise TypeError(
-            f"implementation {name!r} built an engine without {', '.join(missing)} "
-            "(see zbench.protocol.Engine; zbench.protocol.EngineBase supplies metrics and close)"
-        )
-    return engine  # type: ignore[return-value]  # checked member by member above
-
-
 def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: torch.device) -> RankResult:
     case = task.case
     info = model_info(case.model)
     implementation = registry.resolve(case.implementation)
-    model = build(case.model, seed=case.seed, device=device)
-    if case.activation_checkpointing:
-        checkpoint_blocks(model)
-    engine = check_engine(
-        implementation.build(model, case.train_spec(device, swap_dir=task.swap_dir), dist.group.WORLD),
-        case.implementation,
-    )
-    rows = case.micro_batch * case.grad_accum * world
+    model, engine = build_engine(case, device, task.swap_dir)
     losses: list[float] = []
     times: list[float] = []
     metrics: list[dict[str, float]] = []
@@ -114,10 +96,7 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
     reset_peak(device)
     try:
         for step in range(case.steps):
-            batch = synthetic_batch(info, seed=case.seed, step=step, rows=rows, seq=case.seq_len)
-            micro_batches = rank_micro_batches(
-                batch, rank=rank, world=world, grad_accum=case.micro_batches_per_step, device=device
-            )
+            micro_batches = step_batches(case, info, step, rank=rank, world=world, device=device)
             comms.take()  # drop set-up traffic (DDP's initial broadcast, the bandwidth probe, ...)
             if sampler is not None and step == case.warmup_steps:
                 sampler.mark()
