@@ -10,7 +10,9 @@ world sizes and precisions given, through the real CLI, and prints two Markdown 
 - per check, the worst fraction of its bound that any correct implementation reached (the noise floor).
 
 ``python -m tests.benchmarks.wrong_matrix_margins --model medium --worlds 2 --out medium.json``
-from the repository root (about 45 minutes for ``medium`` at world 2 on 2 cores).
+from the repository root (about 45 minutes for ``medium`` at world 2 on 2 cores). ``-k`` selects as ``zbench
+run`` does: the test's own selection (every case at world 2, the ZeRO engine's at world 3) is
+``-k '*-w2-*' -k '*wrong_ZERO-*'``.
 """
 
 from __future__ import annotations
@@ -108,6 +110,13 @@ def main() -> int:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2], help="world sizes")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], help="precisions")
     parser.add_argument("--built-ins", action="store_true", help="also run fsdp, torch_zero and zero1-3 as controls")
+    parser.add_argument(
+        "-k",
+        dest="select",
+        action="append",
+        default=[],
+        help="zbench run's -k, repeatable (e.g. the test's selection: -k '*-w2-*' -k '*wrong_ZERO-*')",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write every case's checks as JSON")
     parser.add_argument("--keep", type=Path, default=None, help="run here and keep it (default: a temporary directory)")
     parser.add_argument("--tables-only", action="store_true", help="print the tables of the run already in --keep")
@@ -120,6 +129,7 @@ def main() -> int:
         results = where / "results"
         if not args.tables_only:
             command = ["-m", "zbench", "run", str(suite), "--results", str(results), "--report", str(where / "r")]
+            command += [arg for pattern in args.select for arg in ("-k", pattern)]
             subprocess.run([sys.executable, *command], cwd=REPO, check=False)
         cases = {}
         for path in results.glob("*/cases/*.json"):
