@@ -201,3 +201,28 @@ def test_a_correct_fp32_probe_keeps_the_case_equivalent_and_a_missing_reference_
     probe = [c for c in unjudged.checks if c.probe]
     assert unjudged.equivalent and len(probe) == 1 and probe[0].passed is None
     assert probe[0].detail == "not run: no fp32 DDP reference"
+
+
+def test_a_capped_probe_is_judged_on_the_reference_s_first_steps(tmp_path):
+    """A probe of 2 steps against 3-step fp32 runs: the reference's and twin's first two steps (and the parameters
+    they kept after step 2) judge it, whatever their third step did; the parameter check says where it compared."""
+    from zbench.results.record import Fp32Probe
+
+    ref32 = record([2.0, 1.5, 9.0], [1.0, 0.9, 5.0])  # a third step no 2-step probe could match
+    twin32 = record([2.0, 1.5000001, 9.1], [1.0, 0.9, 5.0], twin=True)
+    torch.save(REF, tmp_path / "r.pt")
+    torch.save(noisy(1e-3, 1e-7), tmp_path / "t.pt")
+
+    def judged(probe_params, losses):
+        torch.save(probe_params, tmp_path / "p.pt")
+        probe = Fp32Probe(losses=losses, grad_norms=[1.0, 0.9], param_checksums=["a", "a"], seconds=0.5)
+        evidence = equivalence.ProbeEvidence(
+            probe, ref32, twin32, tmp_path / "p.pt", tmp_path / "r.pt", tmp_path / "t.pt"
+        )
+        return {c.name: c for c in equivalence.probe_checks(evidence)}
+
+    good = judged(noisy(1e-4, 1e-8), [2.0, 1.5])
+    assert all(c.passed for c in good.values()), good
+    assert good["parameters"].detail.endswith(", after step 2") and good["loss"].probe
+    bad = judged({**REF, "ln": REF["ln"] * 1.01}, [2.0, 1.5 * 1.001])
+    assert bad["parameters"].passed is False and bad["loss"].passed is False

@@ -156,9 +156,27 @@ def test_bf16_cases_get_an_fp32_probe_and_its_fp32_references_come_first():
         ("tiny-ddp-s0-w2-bf16-none-twin", False),
         ("tiny-zero2-s2-w2-bf16-none", True),
     ]
+    assert {c.probe_steps for c in _expanded(precisions=["bf16"])} == {
+        None
+    }  # 20 steps: within the default cap, nothing to keep apart
     off = _expanded(precisions=["bf16"], fp32_probe=False)
     assert [(c.case_id, c.fp32_probe) for c in off] == [
         ("tiny-ddp-s0-w2-bf16-none", False),
         ("tiny-ddp-s0-w2-bf16-none-twin", False),
         ("tiny-zero2-s2-w2-bf16-none", False),
     ]
+
+
+def test_a_long_case_probes_only_the_capped_steps_and_its_fp32_references_keep_parameters_there():
+    capped = _expanded(precisions=["bf16"], steps=30, fp32_probe_steps=12)
+    assert [(c.case_id, c.fp32_probe, c.probe_steps) for c in capped] == [
+        ("tiny-ddp-s0-w2-fp32-none", False, 12),  # keeps its parameters after step 12 as well
+        ("tiny-ddp-s0-w2-fp32-none-twin", False, 12),
+        ("tiny-ddp-s0-w2-bf16-none", False, None),
+        ("tiny-ddp-s0-w2-bf16-none-twin", False, None),
+        ("tiny-zero2-s2-w2-bf16-none", True, 12),
+    ]
+    uncapped = _expanded(precisions=["bf16"], steps=30, fp32_probe_steps=None)
+    assert {c.probe_steps for c in uncapped} == {None}
+    fp32_only = _expanded(precisions=["fp32"], steps=30, fp32_probe_steps=12)  # no probes, nothing to keep
+    assert {c.probe_steps for c in fp32_only} == {None}

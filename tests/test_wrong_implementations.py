@@ -140,3 +140,55 @@ def test_run_fails_and_report_names_the_failed_check(matrix):
     assert [c["name"] for c in grad_sum["checks"] if c["passed"] is False] == ["grad_norm"]
     assert "NOT EQUIVALENT (grad_norm)" in report  # the verdict names the failed check
     assert "NOT EQUIVALENT: model_state" in report or "model_state" in report
+
+
+CAPPED_SUITE = f"""
+name: capped-probe
+device: cpu
+models: tiny
+world_sizes: 2
+precisions: [bf16]
+steps: 16
+fp32_probe_steps: 8
+warmup_steps: 1
+paired_rounds: 0
+micro_batch: 2
+grad_accum: 2
+grad_clip: 0.5
+optimizer: {{weight_decay: 0.1}}
+timeout_s: 300
+implementations:
+  - ddp
+  - {{name: "{PLUGIN}:MANUAL", options: {{bug: none}}}}
+  - {{name: "{PLUGIN}:ZERO", stages: [2], options: {{bug: none}}}}
+  - {{name: "{PLUGIN}:MANUAL", options: {{bug: wd_skips_biases_norms}}}}
+  - {{name: "{PLUGIN}:MANUAL", options: {{bug: stale_grad_one_tensor}}}}
+"""
+
+
+@pytest.mark.slow
+def test_a_capped_fp32_probe_still_catches_bf16_hidden_bugs_and_passes_correct_engines(tmp_path):
+    """``fp32_probe_steps`` below the case's steps (a long run's probe kept cheap): the probe trains 8 of 16 steps
+    and is judged against the fp32 reference's and twin's parameters after step 8. Judged against their final
+    parameters instead, the correct engines would fail by far; the two bugs that only the probe sees in bf16 are
+    caught by at least LEAST_MARGIN."""
+    (tmp_path / "s.yaml").write_text(CAPPED_SUITE)
+    run = zbench(
+        "run", str(tmp_path / "s.yaml"), "--results", str(tmp_path / "results"), "--report", str(tmp_path / "r"),
+        timeout=900,
+    )  # fmt: skip
+    (run_dir,) = (tmp_path / "results").iterdir()
+    cases = {label(c): c for c in (json.loads(p.read_text()) for p in (run_dir / "cases").glob("*.json"))}
+    assert run.returncode == 1, run.stderr  # the two bugs
+    for name in ("manual-none", "zero_wrong-none"):
+        case = cases[name]
+        assert case["status"] == "ok" and case["equivalence"]["equivalent"], case["equivalence"]["reason"]
+        assert len(case["probe"]["losses"]) == 8 and len(case["steps"]) == 16
+        (params,) = [c for c in case["equivalence"]["checks"] if c["probe"] and c["name"] == "parameters"]
+        assert params["passed"] and params["detail"].endswith(", after step 8")
+    for bug in ("wd_skips_biases_norms", "stale_grad_one_tensor"):
+        failed = [c for c in cases[bug]["equivalence"]["checks"] if c["passed"] is False]
+        assert failed and all(c["probe"] for c in failed), cases[bug]["equivalence"]["reason"]
+        assert max(margin_of(c) for c in failed) >= LEAST_MARGIN
+    assert not list((run_dir / "params").iterdir())  # the step-8 parameters went with the final ones
+    assert all(c.get("probe_params_file") is None for c in cases.values())

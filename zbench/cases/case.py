@@ -66,6 +66,11 @@ class Case(BaseModel):
     """A bf16 or fp16 case trains again in fp32 after its run (the same ranks, implementation, options and data),
     judged against its group's fp32 DDP reference with the fp32 bounds: a logic bug that fp32 catches is not
     hidden by bf16's wider noise (``zbench.rank.probe``, docs/methods.md#bf16-verdicts)."""
+    probe_steps: int | None = None
+    """Fewer steps than ``steps`` for the fp32 probe (the suite's ``fp32_probe_steps``): on a probed case, the
+    steps its probe trains; on the fp32 DDP reference and twin the probes are judged against, the step after which
+    they also keep their parameters (``CaseFiles.probe_params``). ``None``: all steps, the final parameters serve.
+    Not part of what is trained or compared."""
     paired_rounds: int = 0
     """After training, rounds of one step of this case and one of a DDP copy of its model, alternating
     (``zbench.rank.paired``): the regression gate's samples. Not part of what is trained or compared."""

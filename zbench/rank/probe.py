@@ -44,15 +44,15 @@ def run_fp32_probe(
     swap_dir: str | None,
     params_path: Path,
 ) -> ProbeResult:
-    """Train ``probe_case(case)`` for the case's steps on its batches; rank 0 writes the final parameters to
-    ``params_path``."""
+    """Train ``probe_case(case)`` on the case's batches for its steps (the first ``case.probe_steps`` when the
+    suite caps them); rank 0 writes the final parameters to ``params_path``."""
     start = time.perf_counter()
     fp32 = probe_case(case)
     _, engine = build_engine(fp32, device, swap_dir)
     losses: list[float] = []
     grad_norms: list[float | None] = []
     try:
-        for step in range(fp32.steps):
+        for step in range(fp32.probe_steps or fp32.steps):
             micro_batches = step_batches(fp32, info, step, rank=rank, world=world, device=device)
             losses.append(float(engine.step(micro_batches)))
             grad_norms.append(engine.metrics().get("grad_norm"))

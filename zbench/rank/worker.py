@@ -38,7 +38,7 @@ from zbench.measure.nvml import NvmlSampler
 from zbench.measure.phases import PhaseClock, clock_name
 from zbench.measure.profile import StepProfiler
 from zbench.measure.timing import timed
-from zbench.protocol import Implementation
+from zbench.protocol import Engine, Implementation
 from zbench.rank.checksum import checksum
 from zbench.rank.paired import time_paired_rounds
 from zbench.rank.probe import run_fp32_probe
@@ -111,6 +111,8 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
             metrics.append(engine.metrics())
             if rank == 0:
                 files.progress.write_text(f"{step + 1}/{case.steps}")
+            if step + 1 == case.probe_steps and not case.fp32_probe:
+                keep_parameters(engine, rank, files.probe_params)  # an fp32 reference: what capped probes meet
         clock.detach()
         memory = peak_memory(device)  # before the final gather below, which is not training
         profiler.write()
@@ -153,6 +155,13 @@ def train(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: tor
         param_checksum=checksum(params),
         paired=paired,
     )
+
+
+def keep_parameters(engine: Engine, rank: int, path: Path) -> None:
+    """Rank 0 writes the engine's full parameters now (every rank gathers: it may be a collective)."""
+    params = engine.full_parameters()
+    if rank == 0:
+        atomic_torch_save(params, path)
 
 
 def fp32_probe(task: WorkerTask, files: CaseFiles, rank: int, world: int, device: torch.device) -> ProbeResult:

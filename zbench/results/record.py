@@ -339,6 +339,9 @@ class CaseRecord(_Part):
     """Rounds of this case's step and a DDP copy's, alternating: what the regression gate compares."""
     params_file: str | None = None
     """Final parameters (relative to the run directory) while they are kept; see ``Case.keep_params``."""
+    probe_params_file: str | None = None
+    """An fp32 DDP reference's or twin's parameters after ``config.probe_steps`` steps, what capped fp32 probes are
+    judged against, kept as ``params_file`` is."""
     param_checksums: list[str] = Field(default_factory=list)
     """Each rank's hash of its final full parameters (they must all agree)."""
     probe: Fp32Probe | None = None

@@ -176,7 +176,9 @@ class References:
         return twin if twin is not None and twin.ok and self._has_params(twin) else None
 
     def _has_params(self, record: CaseRecord) -> bool:
-        return record.params_file is not None and (self.run.path / record.params_file).exists()
+        """Its final parameters are stored, and those after the probes' step when it keeps them."""
+        files = [record.params_file, *([record.probe_params_file] if record.config.probe_steps else [])]
+        return all(f is not None and (self.run.path / f).exists() for f in files)
 
     def lost_params(self, case: Case) -> list[CaseRecord]:
         """The case's reference and twin that finished but whose parameters are gone (a finished run, resumed)."""
@@ -190,8 +192,10 @@ class References:
         for kept in (self._by_key, self._twins):
             for key, record in kept.items():
                 if record.params_file is not None and not record.config.keep_params:
-                    (self.run.path / record.params_file).unlink(missing_ok=True)
-                    record = record.model_copy(update={"params_file": None})
+                    for kept_file in (record.params_file, record.probe_params_file):
+                        if kept_file is not None:
+                            (self.run.path / kept_file).unlink(missing_ok=True)
+                    record = record.model_copy(update={"params_file": None, "probe_params_file": None})
                     self.run.write_case(record)
                     kept[key] = record
                     released.append(record)
@@ -235,6 +239,11 @@ def _run_one(
             if outcome.probe_params_path is not None and record.probe is not None:
                 move_into_place(outcome.probe_params_path, run.params_path(f"{case.case_id}.fp32-probe"))
                 record.probe.params_file = str(run.params_path(f"{case.case_id}.fp32-probe").relative_to(run.path))
+            elif outcome.probe_params_path is not None and case.probe_steps:  # a reference, at the probes' step
+                move_into_place(outcome.probe_params_path, run.params_path(f"{case.case_id}.step{case.probe_steps}"))
+                record.probe_params_file = str(
+                    run.params_path(f"{case.case_id}.step{case.probe_steps}").relative_to(run.path)
+                )
             record.profile_traces = _keep_profiles(outcome.profile_paths, run, case)
     except UsageError as exc:  # the NVMe directory went away or filled up since the suite was checked
         return failed_record(case, str(exc), started_at=started_at, ended_at=now())
@@ -257,13 +266,21 @@ def _probe_evidence(probe: Fp32Probe, case: Case, run: RunDir, references: Refer
     """The fp32 probe's run with the fp32 reference and twin of its group, for its verdict."""
     reference = references.find(case, probe=True)
     twin = references.twin(case, probe=True)
+
+    def params_of(record: CaseRecord | None) -> Path | None:
+        """Its parameters after as many steps as the probe trained."""
+        if record is None or record.config.probe_steps != case.probe_steps:
+            return None  # (a resumed run's reference, kept at another step)
+        kept = record.probe_params_file if case.probe_steps else record.params_file
+        return run.path / kept if kept else None
+
     return equivalence.ProbeEvidence(
         probe=probe,
         reference=reference,
         twin=twin,
         params_path=run.path / probe.params_file if probe.params_file else None,
-        reference_params_path=run.path / reference.params_file if reference and reference.params_file else None,
-        twin_params_path=run.path / twin.params_file if twin and twin.params_file else None,
+        reference_params_path=params_of(reference),
+        twin_params_path=params_of(twin),
     )
 
 

@@ -199,6 +199,11 @@ class SuiteConfig(_Frozen):
     """Each bf16 or fp16 case also trains in fp32 after its run, in the same processes, and is judged on that too,
     with the fp32 bounds (docs/methods.md#bf16-verdicts): bf16's noise hides logic bugs that fp32 catches. The
     fp32 DDP reference and twin it is judged against are added to the suite when it has no fp32 cases."""
+    fp32_probe_steps: int | None = Field(20, ge=1)
+    """The fp32 probe trains this many steps (the case's own when it has fewer; null: all of them), so that its
+    cost stays a small part of a long case's: the fp32 reference and twin also keep their parameters after that
+    step, which the probe's are judged against. 20 steps hold every bug of the wrong-implementation matrix
+    (the latest starts at step 10); a bug that starts later is the bf16 run's own checks' to catch."""
     profile: ProfileConfig | None = None
     """Record a Chrome trace of these steps on every rank (``profile: {steps: [5, 6]}``); the profiler slows them,
     so they are left out of the step-time statistics."""

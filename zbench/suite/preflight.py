@@ -220,7 +220,7 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
             twin = case.twin() if config.noise_twin and case.is_reference and reason is None else None
             if twin is not None:
                 cases.append(twin)
-    return with_probes(cases) if config.fp32_probe else cases
+    return with_probes(cases, config.fp32_probe_steps) if config.fp32_probe else cases
 
 
 def probe_applies(case: Case) -> bool:
@@ -242,22 +242,36 @@ def probe_applies(case: Case) -> bool:
     )
 
 
-def with_probes(cases: list[Case]) -> list[Case]:
+def with_probes(cases: list[Case], probe_steps: int | None = None) -> list[Case]:
     """``cases`` with ``fp32_probe`` set where it applies, and the fp32 DDP reference (and twin) those probes are
-    judged against inserted before their group when the suite has no such fp32 case."""
+    judged against inserted before their group when the suite has no such fp32 case. ``probe_steps`` (fewer than a
+    case's steps) caps the probes' steps and tells the fp32 references and twins of their groups to keep their
+    parameters after that step too."""
+    probed = {c.probe_reference_key for c in cases if probe_applies(c)}
     fp32_groups = {c.reference_key for c in cases if c.is_reference}
     out: list[Case] = []
     for case in cases:
         if case.is_reference and case.precision != "fp32":
-            probed = any(probe_applies(c) and c.probe_reference_key == case.probe_reference_key for c in cases)
-            if probed and case.probe_reference_key not in fp32_groups:
+            if case.probe_reference_key in probed and case.probe_reference_key not in fp32_groups:
                 reference = case.model_copy(update={"precision": "fp32"})
                 twinned = any(c.noise_twin and c.reference_key == case.reference_key for c in cases)
                 twin = reference.twin() if twinned else None
-                out += [reference, *([twin] if twin else [])]
+                out += [with_probe_steps(r, probe_steps) for r in (reference, twin) if r is not None]
                 fp32_groups.add(reference.reference_key)
-        out.append(case.model_copy(update={"fp32_probe": True}) if probe_applies(case) else case)
+        if probe_applies(case):
+            out.append(with_probe_steps(case.model_copy(update={"fp32_probe": True}), probe_steps))
+        elif case.precision == "fp32" and case.implementation == REFERENCE and case.reference_key in probed:
+            out.append(with_probe_steps(case, probe_steps))  # an fp32 reference or twin that probes are judged by
+        else:
+            out.append(case)
     return out
+
+
+def with_probe_steps(case: Case, probe_steps: int | None) -> Case:
+    """``case`` with ``probe_steps`` set when the suite's cap is below its steps."""
+    if probe_steps is None or probe_steps >= case.steps:
+        return case
+    return case.model_copy(update={"probe_steps": probe_steps})
 
 
 def prepare(suite: SuiteFile, *, nnodes: int = 1) -> Suite:

@@ -149,17 +149,21 @@ def grad_norm_check(case: CaseRecord, reference: CaseRecord, twin: CaseRecord | 
     """Not run when either side reports no gradient norm; the verdict then depends on the optimizer."""
     mine = grad_norms(case)
     who = case.config.implementation if None in mine else reference.config.implementation
-    return norm_series_check(mine, reference, twin, case.config.precision, who=who)
+    twin_norms = grad_norms(twin) if twin else None
+    return norm_series_check(mine, grad_norms(reference), twin_norms, case.config.precision, who=who)
 
 
 def norm_series_check(
-    mine: Sequence[float | None], reference: CaseRecord, twin: CaseRecord | None, precision: Precision, *, who: str
+    mine: Sequence[float | None],
+    ref: Sequence[float | None],
+    twin_norms: Sequence[float | None] | None,
+    precision: Precision,
+    *,
+    who: str,
 ) -> Check:
     """Per-step gradient norms against the reference's, bounded by the twin's own difference (when it has norms)."""
-    ref = grad_norms(reference)
     if None in mine or None in ref:
         return Check(name="grad_norm", passed=None, detail=f"{who} reports no grad_norm in Engine.metrics()")
-    twin_norms = grad_norms(twin) if twin else None
     noise = (
         relative_series_difference(twin_norms, ref)[0] if twin_norms is not None and None not in twin_norms else None
     )
@@ -236,7 +240,7 @@ def model_state_check(case: CaseRecord) -> Check:
 @dataclass(frozen=True)
 class ProbeEvidence:
     """A bf16 case's fp32 probe with what it is judged against: the fp32 group's DDP reference and noise twin,
-    and the three runs' final parameters (``None`` where not stored)."""
+    and the three runs' parameters after the probe's steps (``None`` where not stored)."""
 
     probe: Fp32Probe
     reference: CaseRecord | None
@@ -248,18 +252,25 @@ class ProbeEvidence:
 
 def probe_checks(evidence: ProbeEvidence) -> list[Check]:
     """The fp32 probe judged as an fp32 case is: loss, gradient norm, parameters and ranks, with the fp32 bounds
-    scaled by the fp32 twin's noise. One check that could not run (``passed`` None) when the fp32 reference or a
-    parameter file is missing."""
+    scaled by the fp32 twin's noise, over the probe's steps (the first ``Case.probe_steps`` of the reference's when
+    the suite caps them). One check that could not run (``passed`` None) when the fp32 reference or a parameter file
+    is missing."""
     probe, reference, twin = evidence.probe, evidence.reference, evidence.twin
     if reference is None or not reference.ok:
         why = "no fp32 DDP reference" if reference is None else f"the fp32 reference {reference.case_id} failed"
         return [Check(name="loss", passed=None, probe=True, detail=f"not run: {why}")]
     if evidence.params_path is None or evidence.reference_params_path is None:
-        return [Check(name="parameters", passed=None, probe=True, detail="not run: final parameters not stored")]
-    noise = relative_series_difference(twin.losses(), reference.losses())[0] if twin else None
+        detail = f"not run: parameters after {len(probe.losses)} steps not stored"
+        return [Check(name="parameters", passed=None, probe=True, detail=detail)]
+    steps = len(probe.losses)
+    ref_losses = reference.losses()[:steps]
+    noise = relative_series_difference(twin.losses()[:steps], ref_losses)[0] if twin else None
+    twin_norms = grad_norms(twin)[:steps] if twin else None
     checks = [
-        _series_check("loss", probe.losses, reference.losses(), noise, "fp32"),
-        norm_series_check(probe.grad_norms, reference, twin, "fp32", who="the fp32 probe or its reference"),
+        _series_check("loss", probe.losses, ref_losses, noise, "fp32"),
+        norm_series_check(
+            probe.grad_norms, grad_norms(reference)[:steps], twin_norms, "fp32", who="the fp32 probe or its reference"
+        ),
     ]
     twin_params = load_params(evidence.twin_params_path) if twin and evidence.twin_params_path else None
     checks.append(
@@ -267,6 +278,8 @@ def probe_checks(evidence: ProbeEvidence) -> list[Check]:
             load_params(evidence.params_path), load_params(evidence.reference_params_path), twin_params, "fp32"
         )
     )
+    if steps < len(reference.losses()):  # a capped probe: say where its parameters were compared
+        checks[-1] = checks[-1].model_copy(update={"detail": f"{checks[-1].detail}, after step {steps}"})
     checks.append(checksum_check(probe.param_checksums))
     return [c.model_copy(update={"probe": True}) for c in checks]
 
