@@ -217,7 +217,7 @@ def test_a_capped_probe_is_judged_on_the_reference_s_first_steps(tmp_path):
         torch.save(probe_params, tmp_path / "p.pt")
         probe = Fp32Probe(losses=losses, grad_norms=[1.0, 0.9], param_checksums=["a", "a"], seconds=0.5)
         evidence = equivalence.ProbeEvidence(
-            probe, ref32, twin32, tmp_path / "p.pt", tmp_path / "r.pt", tmp_path / "t.pt"
+            probe, ref32, twin32, tmp_path / "p.pt", tmp_path / "r.pt", tmp_path / "t.pt", case_steps=3
         )
         return {c.name: c for c in equivalence.probe_checks(evidence)}
 

@@ -167,16 +167,27 @@ def test_bf16_cases_get_an_fp32_probe_and_its_fp32_references_come_first():
     ]
 
 
-def test_a_long_case_probes_only_the_capped_steps_and_its_fp32_references_keep_parameters_there():
+def test_a_long_case_probes_only_the_capped_steps_against_fp32_runs_of_that_length_or_kept_there():
     capped = _expanded(precisions=["bf16"], steps=30, fp32_probe_steps=12)
-    assert [(c.case_id, c.fp32_probe, c.probe_steps) for c in capped] == [
-        ("tiny-ddp-s0-w2-fp32-none", False, 12),  # keeps its parameters after step 12 as well
-        ("tiny-ddp-s0-w2-fp32-none-twin", False, 12),
-        ("tiny-ddp-s0-w2-bf16-none", False, None),
-        ("tiny-ddp-s0-w2-bf16-none-twin", False, None),
-        ("tiny-zero2-s2-w2-bf16-none", True, 12),
+    assert [(c.case_id, c.steps, c.fp32_probe, c.probe_steps) for c in capped] == [
+        ("tiny-ddp-s0-w2-fp32-none", 12, False, None),  # added for the probes: trained for their 12 steps alone
+        ("tiny-ddp-s0-w2-fp32-none-twin", 12, False, None),
+        ("tiny-ddp-s0-w2-bf16-none", 30, False, None),
+        ("tiny-ddp-s0-w2-bf16-none-twin", 30, False, None),
+        ("tiny-zero2-s2-w2-bf16-none", 30, True, 12),
     ]
+    both = _expanded(precisions=["bf16", "fp32"], steps=30, fp32_probe_steps=12)
+    assert [(c.case_id, c.steps, c.fp32_probe, c.probe_steps) for c in both] == [
+        ("tiny-ddp-s0-w2-fp32-none", 30, False, 12),  # the suite's own: keeps its parameters after step 12 as well
+        ("tiny-ddp-s0-w2-fp32-none-twin", 30, False, 12),
+        ("tiny-zero2-s2-w2-fp32-none", 30, False, None),
+        ("tiny-ddp-s0-w2-bf16-none", 30, False, None),
+        ("tiny-ddp-s0-w2-bf16-none-twin", 30, False, None),
+        ("tiny-zero2-s2-w2-bf16-none", 30, True, 12),
+    ]
+    probed, short_reference = capped[-1], capped[0]
+    assert probed.probe_reference_keys == (both[0].reference_key, short_reference.reference_key)
     uncapped = _expanded(precisions=["bf16"], steps=30, fp32_probe_steps=None)
-    assert {c.probe_steps for c in uncapped} == {None}
+    assert {(c.steps, c.probe_steps) for c in uncapped} == {(30, None)}
     fp32_only = _expanded(precisions=["fp32"], steps=30, fp32_probe_steps=12)  # no probes, nothing to keep
     assert {c.probe_steps for c in fp32_only} == {None}

@@ -167,19 +167,33 @@ implementations:
 
 
 @pytest.mark.slow
-def test_a_capped_fp32_probe_still_catches_bf16_hidden_bugs_and_passes_correct_engines(tmp_path):
-    """``fp32_probe_steps`` below the case's steps (a long run's probe kept cheap): the probe trains 8 of 16 steps
-    and is judged against the fp32 reference's and twin's parameters after step 8. Judged against their final
-    parameters instead, the correct engines would fail by far; the two bugs that only the probe sees in bf16 are
-    caught by at least LEAST_MARGIN."""
-    (tmp_path / "s.yaml").write_text(CAPPED_SUITE)
+@pytest.mark.parametrize(
+    ("precisions", "fp32_reference_steps"),
+    [("[bf16]", 8), ("[fp32, bf16]", 16)],
+    ids=["fp32-reference-added-for-the-probes", "the-suite-s-own-fp32-reference"],
+)
+def test_a_capped_fp32_probe_still_catches_bf16_hidden_bugs_and_passes_correct_engines(
+    tmp_path, precisions, fp32_reference_steps
+):
+    """``fp32_probe_steps`` below the case's steps (a long run's probe kept cheap): the probe trains 8 of 16 steps.
+    A bf16-only suite gets an fp32 reference and twin of 8 steps; a suite with fp32 cases (selected away with
+    ``-k``) judges it on its own 16-step reference's and twin's parameters kept after step 8. Judged against their
+    final parameters instead, the correct engines would fail by far; the two bugs that only the probe sees in bf16
+    are caught by at least LEAST_MARGIN."""
+    (tmp_path / "s.yaml").write_text(CAPPED_SUITE.replace("precisions: [bf16]", f"precisions: {precisions}"))
     run = zbench(
-        "run", str(tmp_path / "s.yaml"), "--results", str(tmp_path / "results"), "--report", str(tmp_path / "r"),
-        timeout=900,
+        "run", str(tmp_path / "s.yaml"), "-k", "*-bf16-*", "--results", str(tmp_path / "results"),
+        "--report", str(tmp_path / "r"), timeout=900,
     )  # fmt: skip
     (run_dir,) = (tmp_path / "results").iterdir()
-    cases = {label(c): c for c in (json.loads(p.read_text()) for p in (run_dir / "cases").glob("*.json"))}
+    records = [json.loads(p.read_text()) for p in (run_dir / "cases").glob("*.json")]
+    cases = {label(c): c for c in records if c["config"]["precision"] == "bf16"}
     assert run.returncode == 1, run.stderr  # the two bugs
+    fp32 = [c for c in records if c["config"]["precision"] == "fp32"]
+    assert sorted((label(c), len(c["steps"])) for c in fp32) == [
+        ("ddp", fp32_reference_steps),
+        ("ddp-twin", fp32_reference_steps),
+    ]
     for name in ("manual-none", "zero_wrong-none"):
         case = cases[name]
         assert case["status"] == "ok" and case["equivalence"]["equivalent"], case["equivalence"]["reason"]
@@ -191,4 +205,4 @@ def test_a_capped_fp32_probe_still_catches_bf16_hidden_bugs_and_passes_correct_e
         assert failed and all(c["probe"] for c in failed), cases[bug]["equivalence"]["reason"]
         assert max(margin_of(c) for c in failed) >= LEAST_MARGIN
     assert not list((run_dir / "params").iterdir())  # the step-8 parameters went with the final ones
-    assert all(c.get("probe_params_file") is None for c in cases.values())
+    assert all(c.get("probe_params_file") is None for c in records)

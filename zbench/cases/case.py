@@ -68,9 +68,9 @@ class Case(BaseModel):
     hidden by bf16's wider noise (``zbench.rank.probe``, docs/methods.md#bf16-verdicts)."""
     probe_steps: int | None = None
     """Fewer steps than ``steps`` for the fp32 probe (the suite's ``fp32_probe_steps``): on a probed case, the
-    steps its probe trains; on the fp32 DDP reference and twin the probes are judged against, the step after which
-    they also keep their parameters (``CaseFiles.probe_params``). ``None``: all steps, the final parameters serve.
-    Not part of what is trained or compared."""
+    steps its probe trains; on the suite's fp32 DDP reference and twin the probes are judged against, the step after
+    which they also keep their parameters (``CaseFiles.probe_params``). ``None``: all steps. Not part of what is
+    trained or compared."""
     paired_rounds: int = 0
     """After training, rounds of one step of this case and one of a DDP copy of its model, alternating
     (``zbench.rank.paired``): the regression gate's samples. Not part of what is trained or compared."""
@@ -127,9 +127,14 @@ class Case(BaseModel):
         )
 
     @property
-    def probe_reference_key(self) -> tuple[Any, ...]:
-        """The ``reference_key`` of the fp32 group whose DDP reference and twin judge this case's fp32 probe."""
-        return self.model_copy(update={"precision": "fp32"}).reference_key
+    def probe_reference_keys(self) -> tuple[tuple[Any, ...], ...]:
+        """The ``reference_key`` of each fp32 group whose DDP reference and twin may judge this case's fp32 probe,
+        the first preferred: the suite's own fp32 group (of the case's length: with ``probe_steps`` its reference
+        and twin keep their parameters after that step), then, for a capped probe, a group trained for the
+        probe's steps alone (what the suite adds when it has no fp32 group: ``preflight.with_probes``)."""
+        fp32 = self.model_copy(update={"precision": "fp32"})
+        short = [fp32.model_copy(update={"steps": self.probe_steps}).reference_key] if self.probe_steps else []
+        return (fp32.reference_key, *short)
 
     @property
     def is_reference(self) -> bool:

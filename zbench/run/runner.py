@@ -168,12 +168,19 @@ class References:
 
     def find(self, case: Case, *, probe: bool = False) -> CaseRecord | None:
         """The case's DDP reference; ``probe``: the fp32 one its fp32 probe is judged against."""
-        return self._by_key.get(case.probe_reference_key if probe else case.reference_key)
+        return self._by_key.get(self._key(case, probe))
 
     def twin(self, case: Case, *, probe: bool = False) -> CaseRecord | None:
         """The group's noise twin (``probe``: the fp32 group's), if it ran and finished with its parameters."""
-        twin = self._twins.get(case.probe_reference_key if probe else case.reference_key)
+        twin = self._twins.get(self._key(case, probe))
         return twin if twin is not None and twin.ok and self._has_params(twin) else None
+
+    def _key(self, case: Case, probe: bool) -> tuple[object, ...]:
+        """The group's key; for the probe, the first fp32 group that ran (``Case.probe_reference_keys``)."""
+        if not probe:
+            return case.reference_key
+        keys = case.probe_reference_keys
+        return next((k for k in keys if k in self._by_key), keys[0])
 
     def _has_params(self, record: CaseRecord) -> bool:
         """Its final parameters are stored, and those after the probes' step when it keeps them."""
@@ -182,7 +189,7 @@ class References:
 
     def lost_params(self, case: Case) -> list[CaseRecord]:
         """The case's reference and twin that finished but whose parameters are gone (a finished run, resumed)."""
-        keys = [case.reference_key, *([case.probe_reference_key] if case.fp32_probe else [])]
+        keys = [case.reference_key, *(case.probe_reference_keys if case.fp32_probe else ())]
         lost = [group.get(key) for key in keys for group in (self._by_key, self._twins)]
         return [r for r in lost if r is not None and r.ok and not self._has_params(r)]
 
@@ -268,10 +275,11 @@ def _probe_evidence(probe: Fp32Probe, case: Case, run: RunDir, references: Refer
     twin = references.twin(case, probe=True)
 
     def params_of(record: CaseRecord | None) -> Path | None:
-        """Its parameters after as many steps as the probe trained."""
-        if record is None or record.config.probe_steps != case.probe_steps:
+        """Its parameters after as many steps as the probe trained: its final ones, or those it kept there."""
+        steps = len(probe.losses)
+        if record is None or steps not in (record.config.steps, record.config.probe_steps):
             return None  # (a resumed run's reference, kept at another step)
-        kept = record.probe_params_file if case.probe_steps else record.params_file
+        kept = record.params_file if record.config.steps == steps else record.probe_params_file
         return run.path / kept if kept else None
 
     return equivalence.ProbeEvidence(
@@ -281,6 +289,7 @@ def _probe_evidence(probe: Fp32Probe, case: Case, run: RunDir, references: Refer
         params_path=run.path / probe.params_file if probe.params_file else None,
         reference_params_path=params_of(reference),
         twin_params_path=params_of(twin),
+        case_steps=case.steps,
     )
 
 

@@ -244,20 +244,28 @@ def probe_applies(case: Case) -> bool:
 
 def with_probes(cases: list[Case], probe_steps: int | None = None) -> list[Case]:
     """``cases`` with ``fp32_probe`` set where it applies, and the fp32 DDP reference (and twin) those probes are
-    judged against inserted before their group when the suite has no such fp32 case. ``probe_steps`` (fewer than a
-    case's steps) caps the probes' steps and tells the fp32 references and twins of their groups to keep their
-    parameters after that step too."""
-    probed = {c.probe_reference_key for c in cases if probe_applies(c)}
+    judged against inserted before their group when the suite has no such fp32 group.
+
+    ``probe_steps`` (fewer than a case's steps) caps the probes' steps: an inserted reference and twin train only
+    that many, and the suite's own fp32 reference and twin keep their parameters after that step too
+    (``Case.probe_reference_keys``)."""
+
+    def fp32_key(case: Case) -> tuple[object, ...]:
+        return case.model_copy(update={"precision": "fp32"}).reference_key
+
+    probed = {fp32_key(c) for c in cases if probe_applies(c)}
     fp32_groups = {c.reference_key for c in cases if c.is_reference}
     out: list[Case] = []
     for case in cases:
-        if case.is_reference and case.precision != "fp32":
-            if case.probe_reference_key in probed and case.probe_reference_key not in fp32_groups:
-                reference = case.model_copy(update={"precision": "fp32"})
-                twinned = any(c.noise_twin and c.reference_key == case.reference_key for c in cases)
-                twin = reference.twin() if twinned else None
-                out += [with_probe_steps(r, probe_steps) for r in (reference, twin) if r is not None]
-                fp32_groups.add(reference.reference_key)
+        if case.is_reference and fp32_key(case) in probed and fp32_key(case) not in fp32_groups:
+            steps = min(case.steps, probe_steps or case.steps)  # its first steps are the long run's, bit for bit
+            reference = case.model_copy(
+                update={"precision": "fp32", "steps": steps, "warmup_steps": min(case.warmup_steps, steps - 1)}
+            )
+            twinned = any(c.noise_twin and c.reference_key == case.reference_key for c in cases)
+            twin = reference.twin() if twinned else None
+            out += [reference, *([twin] if twin else [])]
+            fp32_groups.add(fp32_key(case))
         if probe_applies(case):
             out.append(with_probe_steps(case.model_copy(update={"fp32_probe": True}), probe_steps))
         elif case.precision == "fp32" and case.implementation == REFERENCE and case.reference_key in probed:

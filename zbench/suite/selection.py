@@ -33,7 +33,7 @@ def select(cases: Sequence[Case], patterns: Iterable[str]) -> tuple[Case, ...]:
             raise UsageError(f"-k {pattern}: matches none of the suite's {len(cases)} cases (ids look like {sample})")
     chosen = {c.case_id for c in cases if any(_matches(c.case_id, p) for p in patterns)}
     kept = [c for c in cases if c.case_id in chosen and c.implementation != REFERENCE]
-    judged = {c.reference_key for c in kept} | {c.probe_reference_key for c in kept if c.fp32_probe}
+    judged = {c.reference_key for c in kept} | {k for c in kept if c.fp32_probe for k in c.probe_reference_keys}
     return tuple(
         c for c in cases if c.case_id in chosen or (c.implementation == REFERENCE and c.reference_key in judged)
     )

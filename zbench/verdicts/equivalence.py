@@ -248,6 +248,8 @@ class ProbeEvidence:
     params_path: Path | None
     reference_params_path: Path | None
     twin_params_path: Path | None
+    case_steps: int | None = None
+    """The bf16 run's steps, when the probe was capped to fewer (the verdict then says where it compared)."""
 
 
 def probe_checks(evidence: ProbeEvidence) -> list[Check]:
@@ -278,7 +280,7 @@ def probe_checks(evidence: ProbeEvidence) -> list[Check]:
             load_params(evidence.params_path), load_params(evidence.reference_params_path), twin_params, "fp32"
         )
     )
-    if steps < len(reference.losses()):  # a capped probe: say where its parameters were compared
+    if evidence.case_steps and steps < evidence.case_steps:  # a capped probe: say where its parameters met
         checks[-1] = checks[-1].model_copy(update={"detail": f"{checks[-1].detail}, after step {steps}"})
     checks.append(checksum_check(probe.param_checksums))
     return [c.model_copy(update={"probe": True}) for c in checks]
