@@ -63,12 +63,12 @@ def cell(case: dict) -> tuple[str, float | None]:
 def tables(cases: dict[tuple[str, str, int], dict], columns: list[tuple[str, int]], model: str) -> str:
     head = [f"{model} {p} w{w}" for p, w in columns]
     out = ["| bug | " + " | ".join(head) + " |", "|---|" + "---|" * len(columns)]
-    for bug in BUGS:
+    for bug in dict.fromkeys(b for bugs in BUGS.values() for b in bugs):  # every world's, in order
         row = [cell(cases[(bug, p, w)])[0] if (bug, p, w) in cases else "" for p, w in columns]
         out.append(f"| {bug} | " + " | ".join(row) + " |")
     out += ["", "| check (correct implementations, worst fraction of the bound) | " + " | ".join(head) + " |"]
     out.append("|---|" + "---|" * len(columns))
-    correct = [*CORRECT, *CORRECT_BUILT_IN]
+    correct = [*dict.fromkeys(name for names in CORRECT.values() for name in names), *CORRECT_BUILT_IN]
     labels = (
         "loss",
         "grad_norm",
