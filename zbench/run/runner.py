@@ -241,16 +241,12 @@ def _run_one(
             )
             record = case_record(case, outcome, started_at=started_at, ended_at=now())
             if outcome.params_path is not None:
-                move_into_place(outcome.params_path, run.params_path(case.case_id))
-                record.params_file = str(run.params_path(case.case_id).relative_to(run.path))
+                record.params_file = _keep_params(outcome.params_path, run, case.case_id)
             if outcome.probe_params_path is not None and record.probe is not None:
-                move_into_place(outcome.probe_params_path, run.params_path(f"{case.case_id}.fp32-probe"))
-                record.probe.params_file = str(run.params_path(f"{case.case_id}.fp32-probe").relative_to(run.path))
+                record.probe.params_file = _keep_params(outcome.probe_params_path, run, f"{case.case_id}.fp32-probe")
             elif outcome.probe_params_path is not None and case.probe_steps:  # a reference, at the probes' step
-                move_into_place(outcome.probe_params_path, run.params_path(f"{case.case_id}.step{case.probe_steps}"))
-                record.probe_params_file = str(
-                    run.params_path(f"{case.case_id}.step{case.probe_steps}").relative_to(run.path)
-                )
+                name = f"{case.case_id}.step{case.probe_steps}"
+                record.probe_params_file = _keep_params(outcome.probe_params_path, run, name)
             record.profile_traces = _keep_profiles(outcome.profile_paths, run, case)
     except UsageError as exc:  # the NVMe directory went away or filled up since the suite was checked
         return failed_record(case, str(exc), started_at=started_at, ended_at=now())
@@ -267,6 +263,13 @@ def _run_one(
         (run.path / record.probe.params_file).unlink(missing_ok=True)
         record.probe.params_file = None
     return record
+
+
+def _keep_params(written: Path, run: RunDir, name: str) -> str:
+    """Move a parameter file the ranks wrote into the run as ``name``; its path relative to the run directory."""
+    target = run.params_path(name)
+    move_into_place(written, target)
+    return str(target.relative_to(run.path))
 
 
 def _probe_evidence(probe: Fp32Probe, case: Case, run: RunDir, references: References) -> equivalence.ProbeEvidence:

@@ -251,7 +251,7 @@ def with_probes(cases: list[Case], probe_steps: int | None = None) -> list[Case]
     (``Case.probe_reference_keys``)."""
 
     def fp32_key(case: Case) -> tuple[object, ...]:
-        return case.model_copy(update={"precision": "fp32"}).reference_key
+        return case.probe_reference_keys[0]  # (no probe_steps yet: the only key)
 
     probed = {fp32_key(c) for c in cases if probe_applies(c)}
     fp32_groups = {c.reference_key for c in cases if c.is_reference}
