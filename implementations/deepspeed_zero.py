@@ -27,7 +27,7 @@ import importlib.util
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,12 +35,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from zbench.implementations.deepspeed_layout import deepspeed_layout, persistent_elements
-from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, TrainSpec
+from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, ModelShape, TrainSpec
 from zbench.state_bytes import empty_state_bytes, moved_to_host, optimizer_tensors, storage_key, tensor_bytes
 from zbench.values import optimizer_bytes_per_param
-
-if TYPE_CHECKING:
-    from zbench.presets import GPTConfig
 
 #: Where DeepSpeed's ZeRO optimizers keep the fp32 master partitions (stages 1-2, stage 1 in bf16, stage 3).
 MASTER_ATTRIBUTES = ("single_partition_of_fp32_groups", "fp32_groups_flat_partition", "fp32_partitioned_groups_flat")
@@ -267,12 +264,12 @@ class DeepSpeed(ImplementationBase):
     def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> DeepSpeedEngine:
         return DeepSpeedEngine(model, spec, group)
 
-    def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int:
+    def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int:
         """Its own pattern (one micro-batch; docs/methods.md#deepspeed), not the ZeRO formula's: at stages 1-2 it
         all-reduces the gradients (2Ψ, where a reduce-scatter is Ψ) and all-gathers the updated partition (Ψ); at
         stage 3 it gathers every parameter for forward (Ψ), again for backward only those it does not keep whole
         (Ψ - persistent, at DeepSpeed's default threshold), and reduce-scatters the gradients (Ψ)."""
-        sizes = cfg.parameter_sizes
+        sizes = shape.parameter_sizes
         if stage < 3:
             return 3 * sum(sizes)
         return 3 * sum(sizes) - persistent_elements(sizes, world, {})

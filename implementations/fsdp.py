@@ -19,8 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zbench.implementations._common import accumulate, full_parameters_of, global_grad_norm
-from zbench.presets import GPTConfig
-from zbench.protocol import Capabilities, EngineBase, MicroBatch, TrainSpec
+from zbench.protocol import Capabilities, EngineBase, MicroBatch, ModelShape, TrainSpec
 from zbench.state_bytes import module_state_bytes, moved_to_host
 
 
@@ -38,11 +37,11 @@ def shard_groups(model: nn.Module) -> list[list[nn.Module]]:
     return [[blocks[j] for j in g] for g in sorted(kept)]
 
 
-def root_stays_gathered(cfg: GPTConfig) -> int:
+def root_stays_gathered(shape: ModelShape) -> int:
     """ZeRO-3's 3Ψ less one gather of the root unit: FSDP (2, and 1's ``FULL_SHARD``) keeps the root's
-    parameters gathered from forward to backward, so only the blocks are gathered twice."""
-    root = cfg.num_parameters - cfg.layers * cfg.block_parameters
-    return 3 * cfg.num_parameters - root
+    parameters gathered from forward to backward, so only the blocks are gathered twice (blocks that share a weight
+    are one unit: ``shard_groups``)."""
+    return 3 * shape.num_parameters - (shape.root_parameters - shape.shared_block_parameters)
 
 
 class FSDPEngine(EngineBase):
@@ -104,8 +103,8 @@ class FSDP:
         offload_keeps_master=False,
     )
 
-    def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int:
-        return root_stays_gathered(cfg)
+    def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int:
+        return root_stays_gathered(shape)
 
     def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> FSDPEngine:
         return FSDPEngine(model, spec, group)

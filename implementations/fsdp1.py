@@ -28,8 +28,7 @@ from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPr
 
 from zbench.implementations._common import accumulate
 from zbench.implementations.fsdp import root_stays_gathered, shard_groups
-from zbench.presets import GPTConfig
-from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, TrainSpec
+from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, ModelShape, TrainSpec
 from zbench.state_bytes import module_state_bytes, moved_to_host
 
 STRATEGY = {3: ShardingStrategy.FULL_SHARD, 2: ShardingStrategy.SHARD_GRAD_OP, 0: ShardingStrategy.NO_SHARD}
@@ -105,10 +104,10 @@ class FSDP1(ImplementationBase):
         parameters_sharded_from_stage=2,
     )
 
-    def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int | None:
+    def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int | None:
         """``FULL_SHARD`` as FSDP2: the root unit stays gathered from forward to backward (3Ψ less the root);
         ``SHARD_GRAD_OP`` and ``NO_SHARD`` as the formulas of stages 2 and 0 (2Ψ)."""
-        return root_stays_gathered(cfg) if stage == 3 else None
+        return root_stays_gathered(shape) if stage == 3 else None
 
     def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> FSDP1Engine:
         return FSDP1Engine(model, spec, group)

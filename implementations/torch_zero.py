@@ -7,8 +7,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from zbench.implementations.ddp import DDPEngine
-from zbench.presets import GPTConfig
-from zbench.protocol import Capabilities, TrainSpec
+from zbench.protocol import Capabilities, ModelShape, TrainSpec
 from zbench.state_bytes import module_state_bytes, optimizer_tensors, tensor_bytes
 
 
@@ -32,9 +31,9 @@ class TorchZero:
     name = "torch_zero"
     capabilities = Capabilities(stages=frozenset({1}), precisions=frozenset({"fp32", "bf16"}))
 
-    def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int:
+    def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int:
         """Not ZeRO-1's optimal 2Ψ: DDP all-reduces every gradient (2Ψ), then each rank broadcasts its shard (Ψ)."""
-        return 3 * cfg.num_parameters
+        return 3 * shape.num_parameters
 
     def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> TorchZeroEngine:
         return TorchZeroEngine(model, spec, group)

@@ -24,7 +24,6 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 ALLOWED_FOR_IMPLEMENTATIONS = {
     "zbench.protocol",
     "zbench.values",
-    "zbench.presets",
     "zbench.state_bytes",
     "zbench.comm_labels",
     "zbench.implementations",

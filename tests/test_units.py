@@ -10,6 +10,7 @@ import torch
 from zbench.atomic import atomic_write_json
 from zbench.cases.case import Case
 from zbench.cases.formulas import expected_state_bytes
+from zbench.cases.model_source import build, model_info
 from zbench.cases.models import GPT, build_model, rank_micro_batches, synthetic_batch
 from zbench.presets import PRESETS
 from zbench.results import store
@@ -26,6 +27,30 @@ def test_parameter_counts_are_exact(name):
     with torch.device("meta"):
         model = GPT(PRESETS[name])
     assert sum(p.numel() for p in model.parameters()) == PRESETS[name].num_parameters
+
+
+@pytest.mark.parametrize("name", ["small", "llama-3.1-8b-mini", "tests.plugins.user_models:shared_blocks"])
+def test_every_kind_of_model_describes_its_shape_as_built(name):
+    """What an implementation sees of a model (``ModelShape``: its traffic is declared against it) is the model
+    built: its parameters in order, the elements each block holds alone, the root the rest, for a preset, a
+    published architecture and a user's builder alike."""
+    if "llama" in name:
+        pytest.importorskip("transformers")
+    shape = model_info(name).shape
+    model = build(name, seed=0, device="meta")
+    unique = {id(p): p for p in model.parameters()}
+    assert shape.parameter_sizes == tuple(p.numel() for p in unique.values())
+    own = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    shared = 0
+    if name.startswith("tests."):  # blocks 1 and 2 share a mixing weight: neither holds it alone
+        from tests.plugins.user_models import WIDTH
+
+        shared = WIDTH * WIDTH
+        own[1] -= shared
+        own[2] -= shared
+    assert list(shape.block_sizes) == own and shape.layers == len(model.blocks)
+    assert shape.shared_block_parameters == shared
+    assert shape.root_parameters == shape.num_parameters - sum(own) > shared
 
 
 def test_presets_span_tiny_to_70b():

@@ -46,6 +46,9 @@ def test_every_implementation_trains_the_shared_weight_model_like_ddp(records):
         r.case_id: (r.status, r.equivalent, r.equivalence.failed_checks if r.equivalence else None) for r in judged
     }
     assert all(v == ("ok", True, []) for v in verdicts.values()), verdicts
+    # each implementation's declared traffic, for this model's root and blocks (the shared weight counted once)
+    traffic = {r.case_id: r.comms.error_rel for r in judged if r.comms}
+    assert len(traffic) == len(judged) and all(abs(e) <= 0.05 for e in traffic.values()), traffic
     assert sum(r.config.activation_checkpointing for r in judged) == 5
 
 

@@ -47,6 +47,11 @@ class GPTConfig:
         return 2 * (2 * d) + attention + mlp
 
     @property
+    def block_sizes(self) -> tuple[int, ...]:
+        """Parameters of each block, in order (``zbench.protocol.ModelShape``)."""
+        return (self.block_parameters,) * self.layers
+
+    @property
     def largest_unit_parameters(self) -> int:
         """The biggest unit a stage-3 engine gathers at once: a block, the embeddings or the head."""
         return max(self.block_parameters, self.embedding_parameters, self.d_model * self.vocab)

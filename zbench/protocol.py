@@ -21,15 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from zbench.values import CATEGORIES, LOCATIONS, Offload, OptimizerName, Precision
-
-if TYPE_CHECKING:
-    from zbench.presets import GPTConfig
 
 __all__ = [
     "CATEGORIES",
@@ -40,8 +37,48 @@ __all__ = [
     "Implementation",
     "ImplementationBase",
     "MicroBatch",
+    "ModelShape",
     "TrainSpec",
 ]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What an implementation may know of the model it trains, whatever built it (a preset, a published
+    architecture, a user's builder): each parameter's size and how the parameters divide into the blocks
+    (``model.blocks``, the units stage 3 gathers one at a time) and the root (the rest: embeddings, final norm,
+    head). Enough to account for traffic that depends on the layout (what stays gathered, what a threshold keeps
+    whole), without the architecture's own configuration."""
+
+    parameter_sizes: tuple[int, ...]
+    """Elements of each distinct parameter, in ``model.parameters()`` order (a tied weight once)."""
+    block_sizes: tuple[int, ...]
+    """Elements each block holds alone, in order; empty when the model has no ``blocks``."""
+    shared_block_parameters: int = 0
+    """Elements that two or more blocks share and the root does not (a user's model may share a weight between
+    blocks; presets and published architectures do not). They count in ``root_parameters``: the reference ZeRO-3
+    keeps such a weight with the root, gathered from forward to backward; FSDP instead wraps the blocks that share
+    it as one unit."""
+
+    @property
+    def num_parameters(self) -> int:
+        """Ψ: every distinct parameter's elements."""
+        return sum(self.parameter_sizes)
+
+    @property
+    def root_parameters(self) -> int:
+        """Elements no single block holds alone: the root unit's (embeddings, final norm, head; a tied weight), and
+        weights blocks share."""
+        return self.num_parameters - sum(self.block_sizes)
+
+    @property
+    def layers(self) -> int:
+        return len(self.block_sizes)
+
+    @property
+    def last_block_parameters(self) -> int:
+        """The last block's elements (0 without blocks): the one backward starts with, still gathered."""
+        return self.block_sizes[-1] if self.block_sizes else 0
 
 
 @dataclass(frozen=True)
@@ -208,10 +245,10 @@ class Implementation(Protocol):
     def build(self, model: nn.Module, spec: TrainSpec, group: torch.distributed.ProcessGroup | None) -> Engine:
         """Wrap ``model`` (already on ``spec.device``, identical on every rank) for training."""
 
-    def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int | None:
-        """Logical collective elements per step and rank this implementation should send for ``cfg`` at ``world``
-        ranks and ``stage`` (ring algorithms, see ``zbench.measure.comms``), or ``None`` for the ZeRO formula of
-        the stage."""
+    def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int | None:
+        """Logical collective elements per step and rank this implementation should send for a model of ``shape``
+        at ``world`` ranks and ``stage`` (ring algorithms, see ``zbench.measure.comms``), or ``None`` for the ZeRO
+        formula of the stage."""
 
     def state_layout(self, spec: TrainSpec, sizes: tuple[int, ...], world: int) -> dict[str, dict[str, float]] | None:
         """Bytes per rank by category and location it holds between steps training as ``spec`` says, a model of
@@ -222,7 +259,7 @@ class Implementation(Protocol):
 class ImplementationBase:
     """Default for an implementation's optional member: its traffic is what the ZeRO formulas say."""
 
-    def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int | None:
+    def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int | None:
         return None
 
     def state_layout(self, spec: TrainSpec, sizes: tuple[int, ...], world: int) -> dict[str, dict[str, float]] | None:

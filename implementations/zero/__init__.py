@@ -36,8 +36,7 @@ from zbench.implementations.zero.placement import SUPPORTED
 from zbench.implementations.zero.stage1 import ZeRO1Engine
 from zbench.implementations.zero.stage2 import ZeRO2Engine
 from zbench.implementations.zero.stage3 import ZeRO3Engine
-from zbench.presets import GPTConfig
-from zbench.protocol import Capabilities, Engine, TrainSpec
+from zbench.protocol import Capabilities, Engine, ModelShape, TrainSpec
 
 __all__ = ["ZERO1", "ZERO2", "ZERO3", "ZeRO1Engine", "ZeRO2Engine", "ZeRO3Engine", "ZeroImplementation", "ZeroOptions"]
 
@@ -65,14 +64,13 @@ class ZeroImplementation:
     def __post_init__(self) -> None:
         object.__setattr__(self, "capabilities", _capabilities(self.stage))
 
-    def expected_comm_elements(self, cfg: GPTConfig, world: int, stage: int) -> int:
+    def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int:
         """Stages 1-2: reduce-scatter Ψ + all-gather Ψ. Stage 3: reduce-scatter Ψ, and gathers of Ψ for forward and
         again for backward, except the root unit and the last block, which stay gathered from forward to backward."""
-        psi = cfg.num_parameters
+        psi = shape.num_parameters
         if self.stage < 3:
             return 2 * psi
-        root = psi - cfg.layers * cfg.block_parameters
-        return 3 * psi - root - (cfg.block_parameters if cfg.layers else 0)
+        return 3 * psi - shape.root_parameters - shape.last_block_parameters
 
     def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> Engine:
         reason = self.capabilities.why_unsupported(

@@ -133,6 +133,11 @@ class HFArch:
         return sum(self.parameter_sizes)
 
     @property
+    def block_sizes(self) -> tuple[int, ...]:
+        """Parameters of each decoder layer, in order (``zbench.protocol.ModelShape``)."""
+        return (sum(self._layer_sizes()),) * self.layers
+
+    @property
     def largest_unit_parameters(self) -> int:
         """The biggest unit a stage-3 engine gathers at once: a decoder layer, the embedding or the head."""
         return max(sum(self._layer_sizes()), self.vocab * self.d_model)

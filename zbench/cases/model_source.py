@@ -21,6 +21,7 @@ Presets describe themselves with a ``GPTConfig``; a user model is measured once,
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -35,6 +36,8 @@ from zbench.presets import PRESETS, GPTConfig
 if TYPE_CHECKING:  # torch is imported lazily: the suite parser uses this module without it
     import torch
     from torch import nn
+
+    from zbench.protocol import ModelShape
 
 
 _T = TypeVar("_T")
@@ -55,6 +58,18 @@ class ModelInfo:
     """It has a ``blocks`` ``nn.ModuleList`` (what activation checkpointing wraps)."""
     arch: HFArch | None = None
     """A published architecture's (or local config's) description; ``None`` for the others."""
+    block_sizes: tuple[int, ...] = ()
+    """Elements each of its ``blocks`` holds alone, in order (empty without blocks)."""
+    shared_block_parameters: int = 0
+    """Elements two or more of its blocks share (and the root does not)."""
+
+    @property
+    def shape(self) -> ModelShape:
+        """What an implementation may know of the model (its traffic is declared against it), for every kind of
+        model alike."""
+        from zbench.protocol import ModelShape  # imports torch: only the ranks and the planner ask
+
+        return ModelShape(parameter_sizes(self.name), self.block_sizes, self.shared_block_parameters)
 
     @property
     def default_seq_len(self) -> int:
@@ -133,13 +148,15 @@ def model_info(name: str) -> ModelInfo:
     check_model_name(name)
     if name in PRESETS:
         cfg = PRESETS[name]
-        return ModelInfo(name, cfg.num_parameters, cfg.vocab, cfg.seq, gpt=cfg)
+        return ModelInfo(name, cfg.num_parameters, cfg.vocab, cfg.seq, gpt=cfg, block_sizes=cfg.block_sizes)
     if hf_models.is_hf_model(name):
         try:
             spec = hf_models.arch(name)
         except HFModelError as exc:
             raise ModelSourceError(str(exc)) from None
-        return ModelInfo(name, spec.num_parameters, spec.vocab, spec.max_positions, arch=spec)
+        return ModelInfo(
+            name, spec.num_parameters, spec.vocab, spec.max_positions, arch=spec, block_sizes=spec.block_sizes
+        )
     import torch
 
     try:
@@ -148,13 +165,17 @@ def model_info(name: str) -> ModelInfo:
         raise
     except Exception as exc:  # the builder's own failure, reported in one line
         raise ModelSourceError(f"model {name!r}: the builder failed ({type(exc).__name__}: {exc})") from None
+    has_blocks = isinstance(getattr(model, "blocks", None), torch.nn.ModuleList)
+    block_sizes, shared = _block_layout(model) if has_blocks else ((), 0)
     return ModelInfo(
         name,
         sum(_distinct_sizes(model)),
         _declared_int(model, "vocab_size"),
         _declared_int(model, "max_seq_len"),
         gpt=None,
-        has_blocks=isinstance(getattr(model, "blocks", None), torch.nn.ModuleList),
+        has_blocks=has_blocks,
+        block_sizes=block_sizes,
+        shared_block_parameters=shared,
     )
 
 
@@ -174,6 +195,17 @@ def parameter_sizes(name: str) -> tuple[int, ...]:
     if hf_models.is_hf_model(name):
         return hf_models.arch(name).parameter_sizes
     return _distinct_sizes(build_user_model(name, seed=0, device="meta"))
+
+
+def _block_layout(model: nn.Module) -> tuple[tuple[int, ...], int]:
+    """Elements each of ``model.blocks`` holds alone, and those two or more blocks share (``ModelShape``): a weight
+    the root also holds (a tied head) is the root's alone."""
+    in_root = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if not name.startswith("blocks.")}
+    blocks = [list(block.parameters()) for block in model.get_submodule("blocks").children()]
+    holders = Counter(id(p) for params in blocks for p in params if id(p) not in in_root)
+    own = tuple(sum(p.numel() for p in params if holders[id(p)] == 1) for params in blocks)
+    shared = {id(p): p.numel() for params in blocks for p in params if holders[id(p)] > 1}
+    return own, sum(shared.values())
 
 
 def _distinct_sizes(model: nn.Module) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from zbench.measure.nvml import NvmlSampler
 from zbench.measure.phases import PhaseClock, clock_name
 from zbench.measure.profile import StepProfiler
 from zbench.measure.timing import timed
-from zbench.protocol import Engine, Implementation
+from zbench.protocol import Engine, Implementation, ModelShape
 from zbench.rank.checksum import checksum
 from zbench.rank.paired import time_paired_rounds
 from zbench.rank.probe import run_fp32_probe
@@ -62,20 +62,20 @@ def nvml_index(device: torch.device) -> int:
     return device.index
 
 
-def _declared_comm(implementation: Implementation, cfg: Any, world: int, stage: int) -> int | None:
-    """``expected_comm_elements``, also from implementations written before it took the stage (cfg, world)."""
+def _declared_comm(implementation: Implementation, shape: ModelShape, world: int, stage: int) -> int | None:
+    """``expected_comm_elements``, also from implementations written before it took the stage (shape, world)."""
     method = implementation.expected_comm_elements
     if len(inspect.signature(method).parameters) == 2:
-        return method(cfg, world)  # type: ignore[call-arg]
-    return method(cfg, world, stage)
+        return method(shape, world)  # type: ignore[call-arg]
+    return method(shape, world, stage)
 
 
 def expected_comm_elements(implementation: Implementation, info: ModelInfo, world: int, stage: int) -> int:
-    """The implementation's own account of its traffic when it declares one (for a preset, whose layout it
-    knows), else the ZeRO formula."""
+    """The implementation's own account of its traffic for this model's shape when it declares one, else the ZeRO
+    formula."""
     if world == 1:
         return 0  # one rank has nothing to exchange (implementations may still call collectives: DDP does)
-    declared = _declared_comm(implementation, info.gpt, world, stage) if info.gpt is not None else None
+    declared = _declared_comm(implementation, info.shape, world, stage)
     return int(declared) if declared is not None else comms.theory_elements(info.parameters, stage)
 
 
