@@ -7,7 +7,7 @@
 - ``crash`` raises on rank 1; ``oom`` asks for an impossible allocation;
 - ``hang`` leaves rank 1 asleep so rank 0 blocks in a collective;
 - ``sigkill`` kills rank 1 by a signal; ``abort_at_exit`` aborts rank 1 at
-  interpreter exit;
+  interpreter exit, while rank 0 lingers in its teardown until the agent stops it;
 - ``sigkill_marked`` kills, at step 3, every rank started where
   ``$ZBENCH_TEST_KILL_HERE`` names a file (the test sets it on one "node" of a
   multi-node run), after writing its rank there;
@@ -65,6 +65,11 @@ class FaultyEngine(DDPEngine):
         if self.fault == "abort_at_exit" and dist.get_rank() == 1:
             # crashes while the process group is torn down, after the worker has handed back its results
             dist.destroy_process_group = lambda *args, **kwargs: os.abort()
+        elif self.fault == "abort_at_exit":
+            # the peer lingers in its own teardown, so the agent's SIGTERM (it stops the peers of a rank that died)
+            # always finds it there, as it does by chance on a loaded machine: a stop, not a crash of its own
+            teardown = dist.destroy_process_group
+            dist.destroy_process_group = lambda *args, **kwargs: (time.sleep(60), teardown(*args, **kwargs))
 
     def step(self, micro_batches):
         self.steps += 1
