@@ -28,7 +28,10 @@ def shard_groups(model: nn.Module) -> list[list[nn.Module]]:
     (FSDP2 refuses a parameter managed by two groups) and blocks sharing one with the root stay in the root's."""
     blocks = list(getattr(model, "blocks", []))
     ids = [{id(p) for p in block.parameters()} for block in blocks]
-    in_root = {id(p) for name, p in model.named_parameters() if not name.startswith("blocks.")}
+    # by identity, not by name: a published architecture's blocks are its decoder layers, aliased as ``blocks``
+    # but first registered (and named) under the transformers model
+    in_blocks = {id(m) for block in blocks for m in block.modules()}
+    in_root = {id(p) for m in model.modules() if id(m) not in in_blocks for p in m.parameters(recurse=False)}
     groups: list[set[int]] = []
     for i in range(len(blocks)):
         touching = [g for g in groups if any(ids[i] & ids[j] for j in g)]

@@ -179,6 +179,18 @@ def test_every_implementation_trains_a_published_mini_like_ddp(tmp_path, model, 
         assert abs(case["comms"]["error_rel"]) <= 0.05, (case_id, case["comms"])
 
 
+def test_fsdp_wraps_each_decoder_layer_of_a_published_architecture():
+    """FSDP's units are the decoder layers, found by identity: named first under the transformers model, not
+    ``blocks.``, they were once all taken for the root's, and FSDP gathered the whole model at once (2Ψ a step
+    where 3Ψ less the root is due; the traffic check of the test below caught it)."""
+    pytest.importorskip("transformers")
+    from zbench.cases.model_source import build
+    from zbench.implementations.fsdp import shard_groups
+
+    model = build("mixtral-8x7b-v0.1-mini", seed=0, device="meta")
+    assert shard_groups(model) == [[block] for block in model.blocks]
+
+
 @pytest.mark.heavy
 def test_plan_traces_a_published_architecture_and_its_states_are_the_formulas():
     """``zbench plan --trace`` on a published architecture (its mini: the same code paths, seconds on a CPU): every

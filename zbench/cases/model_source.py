@@ -200,8 +200,10 @@ def parameter_sizes(name: str) -> tuple[int, ...]:
 def _block_layout(model: nn.Module) -> tuple[tuple[int, ...], int]:
     """Elements each of ``model.blocks`` holds alone, and those two or more blocks share (``ModelShape``): a weight
     the root also holds (a tied head) is the root's alone."""
-    in_root = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if not name.startswith("blocks.")}
-    blocks = [list(block.parameters()) for block in model.get_submodule("blocks").children()]
+    modules = list(model.get_submodule("blocks").children())
+    in_blocks = {id(m) for block in modules for m in block.modules()}
+    in_root = {id(p) for m in model.modules() if id(m) not in in_blocks for p in m.parameters(recurse=False)}
+    blocks = [list(block.parameters()) for block in modules]
     holders = Counter(id(p) for params in blocks for p in params if id(p) not in in_root)
     own = tuple(sum(p.numel() for p in params if holders[id(p)] == 1) for params in blocks)
     shared = {id(p): p.numel() for params in blocks for p in params if holders[id(p)] > 1}
