@@ -26,7 +26,15 @@ class DDPEngine(EngineBase):
         self.spec = spec
         self.module = model
         device_ids = [spec.device.index] if spec.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(model, process_group=group, device_ids=device_ids)
+        # A model whose parameters may get no gradient in a step (experts no token reached) says so; DDP then finds
+        # them after each backward, leaves a parameter no rank used without a gradient (AdamW skips it) and
+        # reduces zeros for one this rank did not use.
+        self.ddp = DistributedDataParallel(
+            model,
+            process_group=group,
+            device_ids=device_ids,
+            find_unused_parameters=bool(getattr(model, "unused_parameters", False)),
+        )
         self.optimizer = spec.make_optimizer(model.parameters())
         self.scaler = grad_scaler(spec)
         self.grad_norm: torch.Tensor | None = None

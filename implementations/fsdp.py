@@ -63,6 +63,12 @@ class FSDPEngine(EngineBase):
             fully_shard(blocks, mesh=mesh, mp_policy=policy, offload_policy=offload)
         sharded = fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
         assert isinstance(sharded, nn.Module)  # ``model`` itself, its class now a subclass of FSDPModule too
+        if getattr(model, "unused_parameters", False) and hasattr(sharded, "set_reduce_scatter_unused_params"):
+            # FSDP2's setting for experts no token reached: zeros from a rank that did not use a parameter, as
+            # DDP's find_unused_parameters; without it the ranks' reduce-scatters differ in size and gloo aborts.
+            # A parameter no rank used then gets a zero gradient, which AdamW steps where DDP's skips it
+            # (docs/methods.md#mixture-of-experts).
+            sharded.set_reduce_scatter_unused_params(True)
         self.model = sharded
         self.optimizer = spec.make_optimizer(self.model.parameters())
         self.grad_norm: torch.Tensor | None = None

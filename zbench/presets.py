@@ -21,10 +21,15 @@ class GPTConfig:
     """The output head reuses the token embedding's weight (GPT-2, Llama-style): one tensor, two uses."""
     ffn: int | None = None
     """The MLP's hidden width, when it is not ``mlp_ratio x d_model``."""
+    experts: int = 0
+    """MLP experts per block, one module each, a token routed to one of them by its id (``zbench.cases.models``:
+    ``expert_of``); 0: a dense MLP."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
+        if self.experts == 1 or self.experts < 0:
+            raise ValueError(f"experts must be 0 (a dense MLP) or at least 2, not {self.experts}")
 
     @property
     def head_dim(self) -> int:
@@ -39,12 +44,17 @@ class GPTConfig:
         return (self.vocab + self.seq) * self.d_model
 
     @property
-    def block_parameters(self) -> int:
-        """Parameters of one transformer block (two layer norms, attention, MLP)."""
+    def mlp_parameters(self) -> int:
+        """Parameters of one MLP (an expert's, with experts)."""
         d, h = self.d_model, self.ffn_hidden
+        return d * h + h + h * d + d
+
+    @property
+    def block_parameters(self) -> int:
+        """Parameters of one transformer block (two layer norms, attention, the MLP or every expert's)."""
+        d = self.d_model
         attention = d * 3 * d + 3 * d + d * d + d
-        mlp = d * h + h + h * d + d
-        return 2 * (2 * d) + attention + mlp
+        return 2 * (2 * d) + attention + max(self.experts, 1) * self.mlp_parameters
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -61,7 +71,8 @@ class GPTConfig:
         """Elements of each distinct parameter of ``GPT(self)``, in ``parameters()`` order (a tied head is the
         embedding: it counts once, there)."""
         d, h = self.d_model, self.ffn_hidden
-        block = (d, d, 3 * d * d, 3 * d, d * d, d, d, d, h * d, h, d * h, d)  # ln1, qkv, proj, ln2, fc, out
+        mlp = (h * d, h, d * h, d)  # fc, out (each expert's, in order)
+        block = (d, d, 3 * d * d, 3 * d, d * d, d, d, d, *mlp * max(self.experts, 1))  # ln1, qkv, proj, ln2, MLP
         head = () if self.tie_embeddings else (self.vocab * d,)
         return (self.vocab * d, self.seq * d, *block * self.layers, d, d, *head)
 
@@ -77,10 +88,12 @@ class GPTConfig:
 
     def flops_per_token(self, seq: int | None = None) -> float:
         """Training FLOPs per token at sequence length ``seq`` (default: the full context): 6·(Ψ − embeddings)
-        + attention, 6·layers·heads·head_dim·seq (docs/methods.md)."""
+        + attention, 6·layers·heads·head_dim·seq (docs/methods.md); with experts, a token goes through one of
+        them, so the others' parameters do not count."""
         head = self.d_model * self.vocab if self.tie_embeddings else 0  # a tied head still multiplies
+        idle_experts = self.layers * max(self.experts - 1, 0) * self.mlp_parameters
         return 6 * (
-            self.num_parameters - self.embedding_parameters + head
+            self.num_parameters - self.embedding_parameters + head - idle_experts
         ) + 6 * self.layers * self.heads * self.head_dim * (seq or self.seq)
 
 
@@ -89,6 +102,9 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny-tied": GPTConfig(layers=2, d_model=64, heads=2, vocab=256, seq=32, tie_embeddings=True),
     "small": GPTConfig(layers=4, d_model=256, heads=4, vocab=1024, seq=128),
     "small-tied": GPTConfig(layers=4, d_model=256, heads=4, vocab=1024, seq=128, tie_embeddings=True),
+    # tiny with four experts per block (one module each): the last takes token id 0 alone, so it is often idle on
+    # a rank, or on all (zbench.cases.models.expert_of)
+    "moe-tiny": GPTConfig(layers=2, d_model=64, heads=2, vocab=256, seq=32, experts=4),
     # ~41M parameters: AdamW state of 330 MB, big enough that offloading it shows in a CPU rank's resident memory
     "medium": GPTConfig(layers=4, d_model=768, heads=12, vocab=8192, seq=128),
     "gpt-125m": GPTConfig(layers=12, d_model=768, heads=12, vocab=50304, seq=2048),

@@ -22,6 +22,7 @@ from zbench.implementations.zero.params import ReplicatedParams, ShardedParams
 from zbench.implementations.zero.placement import Placement
 from zbench.implementations.zero.precision import LossScaler
 from zbench.implementations.zero.state import gather_full_parameters
+from zbench.implementations.zero.unused import Bucket, Usage, may_leave_unused
 from zbench.protocol import MicroBatch, TrainSpec
 
 GATHERS_IN_FLIGHT = 2
@@ -38,6 +39,8 @@ class ShardedEngine:
     groups: list[ReplicatedParams]
     optimizer: ShardedOptimizer
     scaler: LossScaler
+    usage: Usage | None = None
+    """Set when the model may leave parameters without a gradient (``unused``)."""
 
     def _begin(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         """What every stage sets up first: options, communicator, parameter names and the offload placement."""
@@ -45,7 +48,18 @@ class ShardedEngine:
         self.options = ZeroOptions.from_spec(spec)
         self.comm = Comm(group)
         self.names = [name for name, _ in model.named_parameters()]
-        self.placement = Placement(spec, self.options, self.comm, stage=self.stage)
+        self.placement = Placement(
+            spec, self.options, self.comm, stage=self.stage, per_parameter=may_leave_unused(model)
+        )
+
+    def _watch_usage(self, buckets: Sequence[Bucket], params: Sequence[Sequence[torch.Tensor]]) -> None:
+        """When the model may leave parameters without a gradient: track them (``unused.Usage``)."""
+        if may_leave_unused(self.model):
+            self.usage = Usage(buckets, params, comm=self.comm, device=self.spec.device)
+
+    def _skipped(self) -> list[set[int]] | None:
+        """After the step's backward: per bucket, the parameters no rank used (``None``: the model has none)."""
+        return self.usage.skipped() if self.usage is not None else None
 
     def _replicated_groups(self, reduce_dtype: torch.dtype) -> list[ReplicatedParams]:
         """Stages 1 and 2: the model's parameters in bucket-sized flat groups, each group's master shard handed
@@ -53,7 +67,7 @@ class ShardedEngine:
         groups = []
         for chunk in partition_by_numel(list(self.model.named_parameters()), self.options.bucket_numel(reduce_dtype)):
             group = ReplicatedParams(chunk, comm=self.comm, dtype=self.spec.compute_dtype)
-            self.placement.masters.add(group.take_master(), group.tier)
+            self.placement.masters.add(group.take_master(), group.tier, group.layout.shard_segments(self.comm.rank))
             groups.append(group)
         return groups
 
@@ -133,12 +147,19 @@ class ReducedEachMicroBatch(ShardedEngine):
         for bucket in self.buckets:
             bucket.begin_step()
         loss = accumulate(micro_batches, lambda batch, _last: self._forward_backward(batch, len(micro_batches)))
-        if self.optimizer.step([bucket.grad_shard.ready() for bucket in self.buckets]):
+        if self.optimizer.step([bucket.grad_shard.ready() for bucket in self.buckets], skip=self._skipped()):
             self.refresh_parameters()
         return loss
 
     def _forward_backward(self, batch: MicroBatch, n: int) -> torch.Tensor:
-        loss = forward_backward(self.model, batch, spec=self.spec, scaler=self.scaler, n=n)
+        loss = forward_backward(
+            self.model,
+            batch,
+            spec=self.spec,
+            scaler=self.scaler,
+            n=n,
+            before_backward=self.usage.before_backward if self.usage else None,
+        )
         for bucket in self.buckets:
             bucket.end_micro_batch()
         self.inflight.clear()

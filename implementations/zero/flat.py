@@ -47,6 +47,17 @@ class FlatLayout:
     def shard_slice(self, rank: int) -> slice:
         return slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
 
+    def shard_segments(self, rank: int) -> list[tuple[int, int, int]]:
+        """``(parameter index, start, stop)`` of each parameter's piece within rank ``rank``'s shard, in order
+        (offsets into the shard; padding belongs to none)."""
+        first, last = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        out = []
+        for index, (offset, shape) in enumerate(zip(self.offsets, self.shapes)):
+            start, stop = max(offset, first), min(offset + shape.numel(), last)
+            if start < stop:
+                out.append((index, start - first, stop - first))
+        return out
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's shaped view into ``flat`` (a buffer of ``padded_numel`` elements)."""
         return [flat[o : o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]

@@ -88,6 +88,17 @@ class AccumulatedGradBucket(_FedByAutograd):
     def begin_last_micro_batch(self) -> None:
         self._last = True
 
+    def mark_unused(self, index: int) -> None:
+        """The ``index``-th parameter gets no gradient in this backward (``unused.Usage``): on the last micro-batch
+        the bucket launches once the others have arrived, as on the ranks that do use it."""
+        if self._last:
+            self._count += 1
+            if self._count == len(self._views):
+                self._launch()
+
+    def used_this_step(self) -> list[bool]:
+        return list(self._seen)
+
     def add(self, index: int, param: torch.Tensor) -> None:
         view, grad = self._views[index], param.grad
         assert grad is not None  # the hook runs once the gradient is accumulated
@@ -195,6 +206,7 @@ class GradBucket(_FedByAutograd):
         self._on_launch = on_launch
         self._fresh = True
         self._finished = False
+        self._used = [False] * len(layout.names)
         self._reset()
 
     def _reset(self) -> None:
@@ -207,8 +219,20 @@ class GradBucket(_FedByAutograd):
 
     def begin_step(self) -> None:
         self._fresh = True
+        self._used = [False] * len(self.layout.names)
+
+    def mark_unused(self, index: int) -> None:
+        """The ``index``-th parameter gets no gradient in this backward (``unused.Usage``): the bucket launches once
+        the others have arrived, as on the ranks that do use it, and this one contributes zeros."""
+        self._count += 1
+        if self._count == len(self.layout.names):
+            self._launch()
+
+    def used_this_step(self) -> list[bool]:
+        return list(self._used)
 
     def add(self, index: int, param: torch.Tensor) -> None:
+        self._used[index] = True
         if self._buffer is None:
             self._allocate()
         assert param.grad is not None  # the hook runs once the gradient is accumulated

@@ -28,16 +28,21 @@ from zbench.implementations.zero.tiers import DeviceShard, ParamTier
 from zbench.protocol import TrainSpec
 from zbench.state_bytes import optimizer_tensors
 
+Segment = tuple[int, int, int]
+"""``(parameter index in its group, start, stop)`` within a shard."""
+
 
 class MasterStore(Protocol):
     home: torch.device
     """Where the step runs: the gradient shards handed to ``step`` must live there."""
 
-    def add(self, master: torch.Tensor, tier: ParamTier) -> None:
-        """Take one flat group's initial fp32 master shard (the store keeps it or copies it away) and its shard tier."""
+    def add(self, master: torch.Tensor, tier: ParamTier, segments: Sequence[Segment]) -> None:
+        """Take one flat group's initial fp32 master shard (the store keeps it or copies it away), its shard tier,
+        and where each parameter's piece lies in the shard (``FlatLayout.shard_segments``)."""
 
-    def step(self, grads: Sequence[torch.Tensor]) -> None:
-        """Apply the optimizer with these finished fp32 gradient shards (one per group) and update every tier."""
+    def step(self, grads: Sequence[torch.Tensor], *, skip: Sequence[set[int]] | None = None) -> None:
+        """Apply the optimizer with these finished fp32 gradient shards (one per group) and update every tier;
+        ``skip``: per group, the parameters to leave untouched (``unused``: no rank used them)."""
 
     def masters(self) -> Iterator[torch.Tensor]:
         """Each group's fp32 master shard in turn (read back from disk when it lives there)."""
@@ -67,10 +72,17 @@ class InMemoryMasters:
 
     One flat master per group, one ``spec.make_optimizer`` over all of them (created on first use,
     after every group was added).
+
+    ``per_parameter``: the optimizer steps each parameter's piece of each master (a view of it) as a tensor of its
+    own, with its own state, so that a parameter no rank used is skipped as DDP's AdamW skips it (no decay, no
+    moment update, its step count held: ``unused``). Only for models that may leave parameters unused: a flat
+    master is one kernel per step where pieces are one per parameter.
     """
 
-    def __init__(self, spec: TrainSpec, *, home: Literal["device", "host"]) -> None:
+    def __init__(self, spec: TrainSpec, *, home: Literal["device", "host"], per_parameter: bool = False) -> None:
         self.spec = spec
+        self.per_parameter = per_parameter
+        self._pieces: list[list[tuple[int, torch.Tensor]]] = []
         self.device = spec.device
         self.location = home
         self.home = spec.device if home == "device" else torch.device("cpu")
@@ -80,7 +92,7 @@ class InMemoryMasters:
         self._optimizer: torch.optim.Optimizer | None = None
         self._uploaded: torch.cuda.Event | None = None
 
-    def add(self, master: torch.Tensor, tier: ParamTier) -> None:
+    def add(self, master: torch.Tensor, tier: ParamTier, segments: Sequence[Segment]) -> None:
         if self._optimizer is not None:
             raise RuntimeError("all groups must be added before the first step")
         aliased = self.location == "device" and isinstance(tier, DeviceShard) and tier.tensor is master
@@ -89,11 +101,13 @@ class InMemoryMasters:
         self._masters.append(master)
         self._separate.append(not aliased)
         self._tiers.append(tier)
+        self._pieces.append([(index, master.detach()[start:stop]) for index, start, stop in segments])
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         if self._optimizer is None:
-            self._optimizer = self.spec.make_optimizer(self._masters)
+            stepped = [piece for pieces in self._pieces for _, piece in pieces] if self.per_parameter else self._masters
+            self._optimizer = self.spec.make_optimizer(stepped)
         return self._optimizer
 
     def _wait_uploads(self) -> None:
@@ -108,22 +122,54 @@ class InMemoryMasters:
         if self.location == "host":
             self._uploaded = upload_fence(self.device)
 
-    def step(self, grads: Sequence[torch.Tensor]) -> None:
+    def step(self, grads: Sequence[torch.Tensor], *, skip: Sequence[set[int]] | None = None) -> None:
         self._wait_uploads()
-        for master, grad in zip(self._masters, grads, strict=True):
-            master.grad = grad
-        self.optimizer.step()
-        for master in self._masters:
-            master.grad = None
+        if self.per_parameter:
+            self._step_pieces(grads, skip or [set() for _ in grads])
+        else:
+            for master, grad in zip(self._masters, grads, strict=True):
+                master.grad = grad
+            self.optimizer.step()
+            for master in self._masters:
+                master.grad = None
         self._update_tiers()
+
+    def _step_pieces(self, grads: Sequence[torch.Tensor], skip: Sequence[set[int]]) -> None:
+        """Each parameter's piece gets its piece of the gradient, or none when no rank used the parameter."""
+        segments = [self._segments(pieces, grad) for pieces, grad in zip(self._pieces, grads, strict=True)]
+        for pieces, grad_pieces, skipped in zip(self._pieces, segments, skip, strict=True):
+            for (index, piece), grad in zip(pieces, grad_pieces):
+                piece.grad = None if index in skipped else grad
+        self.optimizer.step()
+        for pieces in self._pieces:
+            for _, piece in pieces:
+                piece.grad = None
+
+    @staticmethod
+    def _segments(pieces: list[tuple[int, torch.Tensor]], grad: torch.Tensor) -> list[torch.Tensor]:
+        """``grad`` cut like the master it belongs to (the pieces are consecutive views from its start)."""
+        out, start = [], 0
+        for _, piece in pieces:
+            out.append(grad[start : start + piece.numel()])
+            start += piece.numel()
+        return out
 
     def masters(self) -> Iterator[torch.Tensor]:
         return iter(self._masters)
 
     def state_dict(self) -> dict:
+        self._refuse_per_parameter_checkpoint()
         return {"masters": [m.detach().clone() for m in self._masters], "optimizer": self.optimizer.state_dict()}
 
+    def _refuse_per_parameter_checkpoint(self) -> None:
+        if self.per_parameter:
+            raise NotImplementedError(
+                "zero: checkpoints keep one optimizer state per flat master; a model with parameters that may go "
+                "unused is stepped parameter by parameter, which no checkpoint layout holds yet"
+            )
+
     def load_state_dict(self, state: dict) -> None:
+        self._refuse_per_parameter_checkpoint()
         check_masters(state["masters"], [m.numel() for m in self._masters])
         self._wait_uploads()
         for master, saved in zip(self._masters, state["masters"]):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zbench.implementations.zero.masters import check_masters
+from zbench.implementations.zero.masters import Segment, check_masters
 from zbench.implementations.zero.offload import HostToDevice, Upload, host_empty, upload_fence
 from zbench.implementations.zero.state import Held
 from zbench.implementations.zero.swap import Region, SwapDir
@@ -109,7 +109,7 @@ class NvmeMasters:
         self.trace: list[tuple[str, int, str]] | None = None
         """When a list: ``(read|step|write, sub-group, begin|end)`` events, appended as they happen (tests)."""
 
-    def add(self, master: torch.Tensor, tier: ParamTier) -> None:
+    def add(self, master: torch.Tensor, tier: ParamTier, segments: Sequence[Segment]) -> None:
         numel = master.numel()
         group = _Group(
             numel,
@@ -137,7 +137,10 @@ class NvmeMasters:
 
     # --- the streamed step -----------------------------------------------------------------------------------
 
-    def step(self, grads: Sequence[torch.Tensor]) -> None:
+    def step(self, grads: Sequence[torch.Tensor], *, skip: Sequence[set[int]] | None = None) -> None:
+        """``skip`` must be empty: models that may leave parameters unused are refused (``Placement``)."""
+        if skip and any(skip):
+            raise ValueError("zero: nvme offload steps flat sub-groups and cannot leave a parameter untouched")
         if len(grads) != len(self._groups):
             raise ValueError(f"{len(grads)} gradient shards for {len(self._groups)} groups")
         slots = self._buffers()

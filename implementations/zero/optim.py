@@ -29,11 +29,12 @@ class ShardedOptimizer:
         self.clip = spec.grad_clip
         self.last_grad_norm: torch.Tensor | None = None
 
-    def step(self, grads: Sequence[torch.Tensor]) -> bool:
+    def step(self, grads: Sequence[torch.Tensor], *, skip: Sequence[set[int]] | None = None) -> bool:
         """Unscale, clip and apply this rank's gradient shards (one per group, group-mean); False if skipped.
 
         The shards live where the master store steps (``masters.home``). fp32 gradients are
-        modified in place; others are up-cast to fp32 copies first.
+        modified in place; others are up-cast to fp32 copies first. ``skip``: per group, the parameters
+        no rank used this step, which the store leaves untouched (``unused``).
         """
         grads = [g.float() for g in grads]
         if self.scaler.enabled:
@@ -51,7 +52,7 @@ class ShardedOptimizer:
             coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s arithmetic
             for g in grads:
                 g.mul_(coef.to(g.device))
-        self.masters.step(grads)
+        self.masters.step(grads, skip=skip)
         return True
 
     def _global_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -42,10 +42,19 @@ class Placement:
     ``close`` releases what outlives the engine's tensors (the swap files and their I/O thread).
     """
 
-    def __init__(self, spec: TrainSpec, options: ZeroOptions, comm: Comm, *, stage: int) -> None:
+    def __init__(
+        self, spec: TrainSpec, options: ZeroOptions, comm: Comm, *, stage: int, per_parameter: bool = False
+    ) -> None:
+        """``per_parameter``: the model may leave parameters without a gradient, which the optimizer must then
+        skip as DDP's does (``unused``); the in-memory stores step parameter by parameter for it."""
         if spec.offload not in SUPPORTED[stage]:
             raise ValueError(
                 f"zero{stage}: offload {spec.offload!r} not supported (supports {sorted(SUPPORTED[stage])})"
+            )
+        if per_parameter and spec.offload == "nvme":
+            raise ValueError(
+                f"zero{stage}: offload 'nvme' steps flat sub-groups of the masters and cannot skip a parameter no "
+                "rank used, as DDP does; this model may leave parameters without a gradient (model.unused_parameters)"
             )
         self.offload, self.stage, self.device = spec.offload, stage, spec.device
         self.swap = SwapDir(spec.nvme_dir, rank=comm.rank) if spec.offload == "nvme" else None
@@ -56,7 +65,7 @@ class Placement:
         if self.swap is not None:
             self.masters = NvmeMasters(spec, swap=self.swap, chunk_numel=options.nvme_chunk_numel)
         else:
-            self.masters = InMemoryMasters(spec, home="host" if offloaded else "device")
+            self.masters = InMemoryMasters(spec, home="host" if offloaded else "device", per_parameter=per_parameter)
 
     def param_tier(self, shard: torch.Tensor) -> ParamTier:
         """Stage 3: where this rank's compute-dtype parameter shard (``shard``, on the device) is kept."""

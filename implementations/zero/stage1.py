@@ -41,6 +41,7 @@ class ZeRO1Engine(ShardedEngine):
             )
             bucket.attach(group_.params)
             self.buckets.append(bucket)
+        self._watch_usage(self.buckets, [g.params for g in self.groups])
         self.scaler = LossScaler.for_spec(spec, self.options)
         self.optimizer = ShardedOptimizer(self.placement.masters, spec=spec, comm=self.comm, scaler=self.scaler)
 
@@ -51,7 +52,7 @@ class ZeRO1Engine(ShardedEngine):
         loss = accumulate(micro_batches, lambda batch, last: self._forward_backward(batch, last, n))
         for bucket, reduced in zip(self.buckets, self.reduced):
             reduced.fold(bucket.finish(), fresh=True)
-        if self.optimizer.step([reduced.ready() for reduced in self.reduced]):
+        if self.optimizer.step([reduced.ready() for reduced in self.reduced], skip=self._skipped()):
             self.refresh_parameters()
         return loss
 
@@ -59,7 +60,14 @@ class ZeRO1Engine(ShardedEngine):
         if last:
             for bucket in self.buckets:
                 bucket.begin_last_micro_batch()
-        return forward_backward(self.model, batch, spec=self.spec, scaler=self.scaler, n=n)
+        return forward_backward(
+            self.model,
+            batch,
+            spec=self.spec,
+            scaler=self.scaler,
+            n=n,
+            before_backward=self.usage.before_backward if self.usage else None,
+        )
 
     def state_bytes(self) -> dict[str, dict[str, int]]:
         params = list(self.model.parameters())

@@ -44,6 +44,7 @@ class ZeRO2Engine(ReducedEachMicroBatch):
             )
             bucket.attach(group_.params)
             self.buckets.append(bucket)
+        self._watch_usage(self.buckets, [g.params for g in self.groups])
         self.scaler = LossScaler.for_spec(spec, self.options)
         self.optimizer = ShardedOptimizer(self.placement.masters, spec=spec, comm=self.comm, scaler=self.scaler)
 

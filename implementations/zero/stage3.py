@@ -148,7 +148,7 @@ class ZeRO3Engine(ReducedEachMicroBatch):
         self.units = []
         for named in ([root] if root else []) + blocks:
             unit = ShardedParams(named, comm=self.comm, dtype=dtype, tier=self.placement.param_tier)
-            self.placement.masters.add(unit.take_master(), unit.tier)
+            self.placement.masters.add(unit.take_master(), unit.tier, unit.layout.shard_segments(self.comm.rank))
             self.units.append(unit)
         self.root = self.units[0] if root else None
         self.blocks = self.units[1:] if root else self.units
@@ -168,6 +168,7 @@ class ZeRO3Engine(ReducedEachMicroBatch):
             )
             bucket.attach(unit.params)
             self.buckets.append(bucket)
+        self._watch_usage(self.buckets, [unit.params for unit in self.units])
         Schedule(self.root, self.blocks, prefetch=self.options.prefetch).install(model)
         self.scaler = LossScaler.for_spec(spec, self.options)
         self.optimizer = ShardedOptimizer(self.placement.masters, spec=spec, comm=self.comm, scaler=self.scaler)

@@ -55,6 +55,12 @@ ZERO_BUGS = {
     "zero_stale_gather": "stage 3 skips re-gathering the updated root unit (stale parameters after step 1)",
     "zero_clip_local": "global norm computed without the all-reduce (each rank clips by its own shard)",
 }
+#: Bugs of a mixture-of-experts model's idle experts (the ``moe-tiny`` preset; tests/test_moe.py).
+MOE_BUGS = {
+    "zero_idle_expert_stepped": "an expert no rank used is stepped with a zero gradient (decayed, moved by its "
+    "momentum) where DDP's AdamW skips it",
+    "zero_expert_grad_dropped": "rank 1 drops the last expert's gradient (as if no token had reached it)",
+}
 
 
 class ManualDPEngine(EngineBase):
@@ -161,10 +167,10 @@ def _patched(owner: Any, name: str, replacement: Callable) -> Iterator[None]:
 def _summing_step(step: Callable) -> Callable:
     """The optimizer receives the group sum of the gradients instead of their mean."""
 
-    def summed(self: zero_optim.ShardedOptimizer, grads: list[torch.Tensor]) -> bool:
+    def summed(self: zero_optim.ShardedOptimizer, grads: list[torch.Tensor], **kwargs: Any) -> bool:
         for g in grads:
             g.mul_(self.comm.world)
-        return step(self, grads)
+        return step(self, grads, **kwargs)
 
     return summed
 
@@ -176,9 +182,9 @@ def _bf16_master(shard: torch.Tensor, fp32_values: torch.Tensor) -> torch.Tensor
 def _casting_step(step: Callable) -> Callable:
     """The master store handed bf16 masters: gradients cast to their dtype."""
 
-    def cast(self: zero_masters.InMemoryMasters, grads: list[torch.Tensor]) -> None:
+    def cast(self: zero_masters.InMemoryMasters, grads: list[torch.Tensor], **kwargs: Any) -> None:
         masters = list(self.masters())
-        return step(self, [g.to(m.dtype) for g, m in zip(grads, masters)])
+        return step(self, [g.to(m.dtype) for g, m in zip(grads, masters)], **kwargs)
 
     return cast
 
@@ -211,8 +217,8 @@ class Zero(ImplementationBase):
 
     def build(self, model: nn.Module, spec: TrainSpec, group: dist.ProcessGroup | None) -> Any:
         bug = spec.options.get("bug", "none")
-        if bug not in ZERO_BUGS:
-            raise ValueError(f"unknown bug {bug!r}; known: {', '.join(ZERO_BUGS)}")
+        if bug not in ZERO_BUGS | MOE_BUGS:
+            raise ValueError(f"unknown bug {bug!r}; known: {', '.join(ZERO_BUGS | MOE_BUGS)}")
         spec = dataclasses.replace(spec, options={k: v for k, v in spec.options.items() if k != "bug"})
         stage = spec.stage
         factory = {1: zero_impl.ZeRO1Engine, 2: zero_impl.ZeRO2Engine, 3: zero_impl.ZeRO3Engine}[stage]
@@ -231,7 +237,32 @@ class Zero(ImplementationBase):
             if stage != 3:
                 raise ValueError("zero_stale_gather is a stage-3 bug")
             _make_root_stale(engine)
+        if bug in MOE_BUGS and engine.usage is None:
+            raise ValueError(f"{bug} needs a model with experts (moe-tiny)")
+        if bug == "zero_idle_expert_stepped":
+            engine.usage.skipped = lambda: [set() for _ in engine.buckets]  # nothing is ever skipped
+        if bug == "zero_expert_grad_dropped" and dist.get_rank() == 1:
+            _drop_last_expert(engine)
         return engine
+
+
+def _drop_last_expert(engine: Any) -> None:
+    """Every bucket treats the last expert's gradients as if backward had not reached them (zeros reduced)."""
+    for bucket in engine.buckets:
+        bucket.add = _dropping(bucket, {i for i, name in enumerate(bucket.layout.names) if ".experts.3." in name})
+
+
+def _dropping(bucket: Any, dropped: set[int]) -> Callable[[int, torch.Tensor], None]:
+    add = bucket.add
+
+    def dropping(index: int, param: torch.Tensor) -> None:
+        if index in dropped:
+            param.grad = None
+            bucket.mark_unused(index)
+        else:
+            add(index, param)
+
+    return dropping
 
 
 def _make_root_stale(engine: Any) -> None:

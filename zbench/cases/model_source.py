@@ -12,7 +12,9 @@ The contract for a builder (docs/methods.md#models-users-bring):
 - ``module.vocab_size`` (ids are drawn below it) and ``module.max_seq_len`` (the longest ``seq_len`` the
   suite may ask for) say what data it needs;
 - optional ``module.blocks`` (an ``nn.ModuleList``): the units activation checkpointing wraps and the
-  stage-3 engines shard one by one; without it, checkpointing refuses and stage 3 gathers the model whole.
+  stage-3 engines shard one by one; without it, checkpointing refuses and stage 3 gathers the model whole;
+- optional ``module.unused_parameters = True``: some parameters may get no gradient in a step (experts no token
+  was routed to); DDP then finds them and the sharded engines treat them as it does (docs/methods.md).
 
 Presets describe themselves with a ``GPTConfig``; a user model is measured once, on the ``meta`` device
 (no memory, no weights), for its parameter count and data shape. Its model FLOPs are the usual
@@ -62,6 +64,8 @@ class ModelInfo:
     """Elements each of its ``blocks`` holds alone, in order (empty without blocks)."""
     shared_block_parameters: int = 0
     """Elements two or more of its blocks share (and the root does not)."""
+    unused_parameters: bool = False
+    """Some parameters may get no gradient in a step (``module.unused_parameters``: experts no token reached)."""
 
     @property
     def shape(self) -> ModelShape:
@@ -148,7 +152,15 @@ def model_info(name: str) -> ModelInfo:
     check_model_name(name)
     if name in PRESETS:
         cfg = PRESETS[name]
-        return ModelInfo(name, cfg.num_parameters, cfg.vocab, cfg.seq, gpt=cfg, block_sizes=cfg.block_sizes)
+        return ModelInfo(
+            name,
+            cfg.num_parameters,
+            cfg.vocab,
+            cfg.seq,
+            gpt=cfg,
+            block_sizes=cfg.block_sizes,
+            unused_parameters=cfg.experts > 0,
+        )
     if hf_models.is_hf_model(name):
         try:
             spec = hf_models.arch(name)
@@ -176,6 +188,7 @@ def model_info(name: str) -> ModelInfo:
         has_blocks=has_blocks,
         block_sizes=block_sizes,
         shared_block_parameters=shared,
+        unused_parameters=bool(getattr(model, "unused_parameters", False)),
     )
 
 

@@ -47,6 +47,55 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+class MLP(nn.Module):
+    """One expert: the dense block's GELU MLP."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.ffn_hidden)
+        self.out = nn.Linear(cfg.ffn_hidden, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
+
+
+def expert_of(idx: torch.Tensor, experts: int) -> torch.Tensor:
+    """Each token's expert, fixed by its id in every block (hash routing: Roller et al., "Hash Layers For Large
+    Sparse Models", 2021), so routing is identical under every implementation and needs no learning.
+
+    Unbalanced on purpose: the last expert takes token id 0 alone, the others the remaining ids in turn. A rank
+    whose micro-batch lacks id 0 runs that expert on no token and its parameters get no gradient there: idle on
+    one rank (DDP averages the others' gradients with this rank's zeros) or on every rank (no gradient at all,
+    and AdamW leaves the expert untouched): the two cases a sharded engine must treat as DDP does.
+    """
+    return torch.where(idx == 0, experts - 1, idx % (experts - 1))
+
+
+class MoEBlock(Block):
+    """The block with ``cfg.experts`` MLPs in place of one; each token goes through the one ``expert_of`` names, and
+    an expert no token reaches is not run at all (its parameters get no gradient on this rank)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        del self.fc, self.out
+        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.experts))
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor | None = None) -> torch.Tensor:
+        assert route is not None  # the model passes every block its tokens' experts
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        h = self.ln2(x)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            chosen = route == e
+            if chosen.any():  # an idle expert is not called: no gradient, not a zero one
+                out[chosen] = expert(h[chosen]).to(out.dtype)  # under autocast the expert answers in bf16
+        return x + out
+
+
 class GPT(nn.Module):
     """``forward(idx, targets)`` returns the mean cross-entropy loss, so engines need no loss function."""
 
@@ -55,7 +104,9 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList((MoEBlock if cfg.experts else Block)(cfg) for _ in range(cfg.layers))
+        # Some parameters may get no gradient in a step (an expert no token reached): DDP must look for them.
+        self.unused_parameters = cfg.experts > 0
         self.ln = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
@@ -63,8 +114,9 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        route = expert_of(idx, self.cfg.experts) if self.cfg.experts else None
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if route is None else block(x, route)
         logits = self.head(self.ln(x)).float()
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 

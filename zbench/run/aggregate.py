@@ -281,4 +281,5 @@ def model_state(case: Case, ranks: list[RankResult]) -> ModelState:
         expected_total=expected_total,
         error_rel=(measured_total - expected_total) / expected_total if expected_total else None,
         layout=layout,
+        unused_parameters=model_info(case.model).unused_parameters,
     )
