@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
@@ -28,12 +29,14 @@ class DDPEngine(EngineBase):
         device_ids = [spec.device.index] if spec.device.type == "cuda" else None
         # A model whose parameters may get no gradient in a step (experts no token reached) says so; DDP then finds
         # them after each backward, leaves a parameter no rank used without a gradient (AdamW skips it) and
-        # reduces zeros for one this rank did not use.
+        # reduces zeros for one this rank did not use. Not while tracing (fake tensors): the traced model spreads
+        # its tokens over every expert, and DDP's search reads values fake tensors do not have.
+        tracing = any(isinstance(p, FakeTensor) for p in model.parameters())
         self.ddp = DistributedDataParallel(
             model,
             process_group=group,
             device_ids=device_ids,
-            find_unused_parameters=bool(getattr(model, "unused_parameters", False)),
+            find_unused_parameters=bool(getattr(model, "unused_parameters", False)) and not tracing,
         )
         self.optimizer = spec.make_optimizer(model.parameters())
         self.scaler = grad_scaler(spec)

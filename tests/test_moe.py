@@ -74,6 +74,20 @@ def test_an_expert_idle_on_a_rank_trains_under_zero3_as_under_ddp(tmp_path):
     assert zero3["status"] == "ok" and zero3["equivalence"]["equivalent"], zero3["equivalence"]
 
 
+def test_plan_traces_the_experts_with_tokens_spread_evenly():
+    """Routing shapes depend on the data, which fake tensors lack: the trace spreads the tokens evenly over the
+    experts (none skipped, DDP without its search for unused parameters), and the traced states are the formulas."""
+    r = zbench(
+        "plan", "--model", "moe-tiny", "--gpus", "8", "--trace", "-i", "zero3", "-i", "ddp", "-o", "none", "--json"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    for row in json.loads(r.stdout)["rows"]:
+        traced, formula = row["trace"], row["formula"]
+        assert traced["error"] is None, traced["error"]
+        for category, where in formula.items():
+            assert traced["state_bytes"][category]["device"] == pytest.approx(where["device"], rel=0.01), category
+
+
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe")

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from zbench.implementations.zero.comm import Comm
 
@@ -86,7 +87,10 @@ class Usage:
         """After the step's last backward: per bucket, the parameters no rank used (one all-reduce of flags)."""
         local = [bucket.used_this_step() for bucket in self.buckets]
         flags = torch.tensor([float(u) for used in local for u in used], device=self.device)
-        used = self.comm.all_reduce_sum(flags).tolist()
+        reduced = self.comm.all_reduce_sum(flags)
+        if isinstance(reduced, FakeTensor):  # tracing: the model spreads tokens over every expert, none is skipped
+            return [set() for _ in local]
+        used = reduced.tolist()
         out, start = [], 0
         for group in local:
             out.append({i for i in range(len(group)) if used[start + i] == 0})

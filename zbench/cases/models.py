@@ -59,6 +59,13 @@ class MLP(nn.Module):
         return self.out(F.gelu(self.fc(x)))
 
 
+def _has_no_values(t: torch.Tensor) -> bool:
+    """A fake (tracing) or meta tensor: shapes without data."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) or t.is_meta
+
+
 def expert_of(idx: torch.Tensor, experts: int) -> torch.Tensor:
     """Each token's expert, fixed by its id in every block (hash routing: Roller et al., "Hash Layers For Large
     Sparse Models", 2021), so routing is identical under every implementation and needs no learning.
@@ -88,12 +95,21 @@ class MoEBlock(Block):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
         h = self.ln2(x)
+        if _has_no_values(h):
+            return x + self._spread_evenly(h)
         out = torch.zeros_like(h)
         for e, expert in enumerate(self.experts):
             chosen = route == e
             if chosen.any():  # an idle expert is not called: no gradient, not a zero one
                 out[chosen] = expert(h[chosen]).to(out.dtype)  # under autocast the expert answers in bf16
         return x + out
+
+    def _spread_evenly(self, h: torch.Tensor) -> torch.Tensor:
+        """Tracing (``zbench plan --trace``): which tokens reach which expert depends on the data, which fake
+        tensors do not hold, so the trace assumes the tokens spread evenly over the experts (each expert runs on
+        an equal share: the peak of balanced routing; docs/methods.md)."""
+        parts = h.reshape(-1, h.shape[-1]).chunk(len(self.experts))
+        return torch.cat([expert(part) for expert, part in zip(self.experts, parts)]).to(h.dtype).view_as(h)
 
 
 class GPT(nn.Module):
