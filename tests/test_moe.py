@@ -74,6 +74,7 @@ def test_an_expert_idle_on_a_rank_trains_under_zero3_as_under_ddp(tmp_path):
     assert zero3["status"] == "ok" and zero3["equivalence"]["equivalent"], zero3["equivalence"]
 
 
+@pytest.mark.heavy
 def test_plan_traces_the_experts_with_tokens_spread_evenly():
     """Routing shapes depend on the data, which fake tensors lack: the trace spreads the tokens evenly over the
     experts (none skipped, DDP without its search for unused parameters), and the traced states are the formulas."""
