@@ -57,6 +57,12 @@ class ShardedEngine:
         if may_leave_unused(self.model):
             self.usage = Usage(buckets, params, comm=self.comm, device=self.spec.device)
 
+    def _micro_batch(self, batch: MicroBatch, n: int) -> torch.Tensor:
+        """One micro-batch's forward and backward (of ``n`` in the step), with parameters the graph does not reach
+        marked in between when the model may leave some unused."""
+        hook = self.usage.before_backward if self.usage else None
+        return forward_backward(self.model, batch, spec=self.spec, scaler=self.scaler, n=n, before_backward=hook)
+
     def _skipped(self) -> list[set[int]] | None:
         """After the step's backward: per bucket, the parameters no rank used (``None``: the model has none)."""
         return self.usage.skipped() if self.usage is not None else None
@@ -152,14 +158,7 @@ class ReducedEachMicroBatch(ShardedEngine):
         return loss
 
     def _forward_backward(self, batch: MicroBatch, n: int) -> torch.Tensor:
-        loss = forward_backward(
-            self.model,
-            batch,
-            spec=self.spec,
-            scaler=self.scaler,
-            n=n,
-            before_backward=self.usage.before_backward if self.usage else None,
-        )
+        loss = self._micro_batch(batch, n)
         for bucket in self.buckets:
             bucket.end_micro_batch()
         self.inflight.clear()

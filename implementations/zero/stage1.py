@@ -9,7 +9,6 @@ from torch.distributed import ProcessGroup
 from zbench.implementations._common import accumulate
 from zbench.implementations.zero.engine import ShardedEngine
 from zbench.implementations.zero.grads import AccumulatedGradBucket
-from zbench.implementations.zero.loop import forward_backward
 from zbench.implementations.zero.optim import ShardedOptimizer
 from zbench.implementations.zero.precision import LossScaler
 from zbench.implementations.zero.state import Held, total, zero_state_bytes
@@ -60,14 +59,7 @@ class ZeRO1Engine(ShardedEngine):
         if last:
             for bucket in self.buckets:
                 bucket.begin_last_micro_batch()
-        return forward_backward(
-            self.model,
-            batch,
-            spec=self.spec,
-            scaler=self.scaler,
-            n=n,
-            before_backward=self.usage.before_backward if self.usage else None,
-        )
+        return self._micro_batch(batch, n)
 
     def state_bytes(self) -> dict[str, dict[str, int]]:
         params = list(self.model.parameters())
