@@ -24,13 +24,18 @@ from zbench.cases.model_source import model_info
 from zbench.implementations.zero.flat import FlatLayout
 from zbench.rank.training import step_batches
 
-CORRECT = ["zero1", "zero2", "zero3", "torch_zero"]
+CORRECT = ["zero1", "zero2", "zero3", "torch_zero", "zero1-small-buckets", "zero2-small-buckets"]
+#: Buckets of 0.05 MiB give the last expert's 64 x 256 weights a bucket of their own: on a rank where it idles, the
+#: bucket is complete before backward starts, so it must still reduce in turn (grads.LaunchOrder; without it gloo
+#: aborted both cases on a collective mismatch).
+SMALL_BUCKETS = "{name: %s, options: {bucket_mb: 0.05}}"
 WRONG = "tests.plugins.wrong:ZERO"
 GRID = [(p, w) for p in ("fp32", "bf16") for w in (2, 3)]
 
 
 def suite_yaml() -> str:
     bugs = [f'{{name: "{WRONG}", stages: [2], options: {{bug: {b}}}}}' for b in MOE_BUGS]
+    small = [SMALL_BUCKETS % stage for stage in ("zero1", "zero2")]
     return f"""
 name: moe
 device: cpu
@@ -44,13 +49,17 @@ micro_batch: 2
 grad_accum: 2
 optimizer: {{weight_decay: 0.1}}
 timeout_s: 300
-implementations: [ddp, {", ".join(CORRECT)}, {", ".join(bugs)}]
+implementations: [ddp, zero1, zero2, zero3, torch_zero, {", ".join(small + bugs)}]
 """
 
 
 def label(case: dict) -> str:
     config = case["config"]
-    return config["options"].get("bug") or config["implementation"] + ("-twin" if config.get("noise_twin") else "")
+    options = config["options"]
+    if options.get("bug"):
+        return options["bug"]
+    small = "-small-buckets" if options.get("bucket_mb") else ""
+    return config["implementation"] + small + ("-twin" if config.get("noise_twin") else "")
 
 
 def test_a_flat_shard_is_cut_at_its_parameters_edges():

@@ -14,7 +14,7 @@ from zbench.implementations._common import accumulate
 from zbench.implementations.zero import checkpoint
 from zbench.implementations.zero.comm import Comm, Handle
 from zbench.implementations.zero.flat import partition_by_numel
-from zbench.implementations.zero.grads import GradBucket, InFlight
+from zbench.implementations.zero.grads import AccumulatedGradBucket, GradBucket, InFlight, LaunchOrder
 from zbench.implementations.zero.loop import forward_backward
 from zbench.implementations.zero.optim import ShardedOptimizer
 from zbench.implementations.zero.options import ZeroOptions
@@ -22,7 +22,7 @@ from zbench.implementations.zero.params import ReplicatedParams, ShardedParams
 from zbench.implementations.zero.placement import Placement
 from zbench.implementations.zero.precision import LossScaler
 from zbench.implementations.zero.state import gather_full_parameters
-from zbench.implementations.zero.unused import Bucket, Usage, may_leave_unused
+from zbench.implementations.zero.unused import Usage, may_leave_unused
 from zbench.protocol import MicroBatch, TrainSpec
 
 GATHERS_IN_FLIGHT = 2
@@ -41,6 +41,8 @@ class ShardedEngine:
     scaler: LossScaler
     usage: Usage | None = None
     """Set when the model may leave parameters without a gradient (``unused``)."""
+    launch_order: LaunchOrder | None = None
+    """Set with ``usage`` at stages 1 and 2; restarted before each backward whose buckets reduce."""
 
     def _begin(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         """What every stage sets up first: options, communicator, parameter names and the offload placement."""
@@ -52,10 +54,18 @@ class ShardedEngine:
             spec, self.options, self.comm, stage=self.stage, per_parameter=may_leave_unused(model)
         )
 
-    def _watch_usage(self, buckets: Sequence[Bucket], params: Sequence[Sequence[torch.Tensor]]) -> None:
-        """When the model may leave parameters without a gradient: track them (``unused.Usage``)."""
-        if may_leave_unused(self.model):
-            self.usage = Usage(buckets, params, comm=self.comm, device=self.spec.device)
+    def _watch_usage(
+        self, buckets: Sequence[AccumulatedGradBucket] | Sequence[GradBucket], params: Sequence[Sequence[torch.Tensor]]
+    ) -> None:
+        """When the model may leave parameters without a gradient: track them (``unused.Usage``) and, at stages 1
+        and 2, reduce the buckets in a fixed order (``grads.LaunchOrder``)."""
+        if not may_leave_unused(self.model):
+            return
+        self.usage = Usage(
+            buckets, params, comm=self.comm, device=self.spec.device, whole_bucket_may_idle=self.stage < 3
+        )
+        if self.stage < 3:
+            self.launch_order = LaunchOrder(buckets)
 
     def _micro_batch(self, batch: MicroBatch, n: int) -> torch.Tensor:
         """One micro-batch's forward and backward (of ``n`` in the step), with parameters the graph does not reach
@@ -158,6 +168,8 @@ class ReducedEachMicroBatch(ShardedEngine):
         return loss
 
     def _forward_backward(self, batch: MicroBatch, n: int) -> torch.Tensor:
+        if self.launch_order is not None:
+            self.launch_order.restart()
         loss = self._micro_batch(batch, n)
         for bucket in self.buckets:
             bucket.end_micro_batch()

@@ -41,6 +41,29 @@ def copy_mean_part(view: torch.Tensor, grad: torch.Tensor, world: int) -> None:
 class _FedByAutograd:
     """A bucket that autograd fills: each parameter's post-accumulate-grad hook hands it to the bucket's ``add``."""
 
+    order: LaunchOrder | None = None
+    """Set when the model may leave parameters without a gradient: the buckets then reduce in a fixed order."""
+    _marked: set[int]
+
+    def _launch(self) -> None:
+        raise NotImplementedError
+
+    def _complete(self) -> None:
+        """Every gradient of the group is in, or marked unused: reduce now, or in turn when an order is set."""
+        if self.order is None:
+            self._launch()
+        else:
+            self.order.ready(self)
+
+    def _refuse_if_marked(self, index: int) -> None:
+        """A gradient for a parameter the graph was found not to reach (a reentrant checkpoint, which runs its
+        forward without a graph, hides what it uses): the bucket may already be reduced without it."""
+        if index in self._marked:
+            raise RuntimeError(
+                f"zero: parameter {index} of a bucket got a gradient after the graph was found not to reach it "
+                "(a reentrant torch.utils.checkpoint hides the parameters it uses); use use_reentrant=False"
+            )
+
     def attach(self, params: Sequence[torch.Tensor]) -> None:
         """Register the hooks on the group's parameters, in layout order."""
         for index, param in enumerate(params):
@@ -55,6 +78,33 @@ class _FedByAutograd:
             self.add(index, param)
 
         return on_grad
+
+
+class LaunchOrder:
+    """The buckets' reductions started strictly in one order, as DDP starts its buckets.
+
+    Note: for a model whose parameters may get no gradient (``unused``). A bucket whose parameters are all unused
+    on one rank is complete before that rank's backward starts, and midway on another; each starting it when
+    complete would put the ranks' reduce-scatters in different orders (a collective mismatch). Started in a fixed
+    order (the order the buckets usually fill in), every rank issues the same sequence.
+    """
+
+    def __init__(self, buckets: Sequence[_FedByAutograd]) -> None:
+        self.buckets = list(buckets)
+        for bucket in self.buckets:
+            bucket.order = self
+        self.restart()
+
+    def restart(self) -> None:
+        """Before a backward whose buckets reduce (each micro-batch at stages 2-3, the last at stage 1)."""
+        self._ready = [False] * len(self.buckets)
+        self._next = 0
+
+    def ready(self, bucket: _FedByAutograd) -> None:
+        self._ready[next(i for i, b in enumerate(self.buckets) if b is bucket)] = True
+        while self._next < len(self.buckets) and self._ready[self._next]:
+            self.buckets[self._next]._launch()
+            self._next += 1
 
 
 class AccumulatedGradBucket(_FedByAutograd):
@@ -82,6 +132,7 @@ class AccumulatedGradBucket(_FedByAutograd):
         self._seen = [False] * len(self._views)
         self._last = micro_batches == 1
         self._count = 0
+        self._marked = set()
         self._out: torch.Tensor | None = None
         self._work: Handle | None = None
 
@@ -92,14 +143,16 @@ class AccumulatedGradBucket(_FedByAutograd):
         """The ``index``-th parameter gets no gradient in this backward (``unused.Usage``): on the last micro-batch
         the bucket launches once the others have arrived, as on the ranks that do use it."""
         if self._last:
+            self._marked.add(index)
             self._count += 1
             if self._count == len(self._views):
-                self._launch()
+                self._complete()
 
     def used_this_step(self) -> list[bool]:
         return list(self._seen)
 
     def add(self, index: int, param: torch.Tensor) -> None:
+        self._refuse_if_marked(index)
         view, grad = self._views[index], param.grad
         assert grad is not None  # the hook runs once the gradient is accumulated
         if self._seen[index]:
@@ -113,7 +166,7 @@ class AccumulatedGradBucket(_FedByAutograd):
         if self._last:
             self._count += 1
             if self._count == len(self._views):
-                self._launch()
+                self._complete()
 
     @property
     def _divide_on_the_way_in(self) -> bool:
@@ -214,6 +267,7 @@ class GradBucket(_FedByAutograd):
         self._views: list[torch.Tensor] = []
         self._arrived = [False] * len(self.layout.names)
         self._count = 0
+        self._marked = set()
         self._out: torch.Tensor | None = None
         self._work: Handle | None = None
 
@@ -224,14 +278,16 @@ class GradBucket(_FedByAutograd):
     def mark_unused(self, index: int) -> None:
         """The ``index``-th parameter gets no gradient in this backward (``unused.Usage``): the bucket launches once
         the others have arrived, as on the ranks that do use it, and this one contributes zeros."""
+        self._marked.add(index)
         self._count += 1
         if self._count == len(self.layout.names):
-            self._launch()
+            self._complete()
 
     def used_this_step(self) -> list[bool]:
         return list(self._used)
 
     def add(self, index: int, param: torch.Tensor) -> None:
+        self._refuse_if_marked(index)
         self._used[index] = True
         if self._buffer is None:
             self._allocate()
@@ -242,7 +298,7 @@ class GradBucket(_FedByAutograd):
             self._arrived[index] = True
             self._count += 1
         if self._count == len(self._views):
-            self._launch()
+            self._complete()
 
     def _allocate(self) -> None:
         self._buffer = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.device)

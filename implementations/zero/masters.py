@@ -82,7 +82,8 @@ class InMemoryMasters:
     def __init__(self, spec: TrainSpec, *, home: Literal["device", "host"], per_parameter: bool = False) -> None:
         self.spec = spec
         self.per_parameter = per_parameter
-        self._pieces: list[list[tuple[int, torch.Tensor]]] = []
+        self._pieces: list[list[tuple[int, int, torch.Tensor]]] = []
+        """Per group, when ``per_parameter``: (parameter index, start in the shard, the master's piece)."""
         self.device = spec.device
         self.location = home
         self.home = spec.device if home == "device" else torch.device("cpu")
@@ -101,12 +102,15 @@ class InMemoryMasters:
         self._masters.append(master)
         self._separate.append(not aliased)
         self._tiers.append(tier)
-        self._pieces.append([(index, master.detach()[start:stop]) for index, start, stop in segments])
+        if self.per_parameter:
+            self._pieces.append([(index, start, master.detach()[start:stop]) for index, start, stop in segments])
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         if self._optimizer is None:
-            stepped = [piece for pieces in self._pieces for _, piece in pieces] if self.per_parameter else self._masters
+            stepped = (
+                [piece for pieces in self._pieces for _, _, piece in pieces] if self.per_parameter else self._masters
+            )
             self._optimizer = self.spec.make_optimizer(stepped)
         return self._optimizer
 
@@ -136,23 +140,13 @@ class InMemoryMasters:
 
     def _step_pieces(self, grads: Sequence[torch.Tensor], skip: Sequence[set[int]]) -> None:
         """Each parameter's piece gets its piece of the gradient, or none when no rank used the parameter."""
-        segments = [self._segments(pieces, grad) for pieces, grad in zip(self._pieces, grads, strict=True)]
-        for pieces, grad_pieces, skipped in zip(self._pieces, segments, skip, strict=True):
-            for (index, piece), grad in zip(pieces, grad_pieces):
-                piece.grad = None if index in skipped else grad
+        for pieces, grad, skipped in zip(self._pieces, grads, skip, strict=True):
+            for index, start, piece in pieces:
+                piece.grad = None if index in skipped else grad[start : start + piece.numel()]
         self.optimizer.step()
         for pieces in self._pieces:
-            for _, piece in pieces:
+            for _, _, piece in pieces:
                 piece.grad = None
-
-    @staticmethod
-    def _segments(pieces: list[tuple[int, torch.Tensor]], grad: torch.Tensor) -> list[torch.Tensor]:
-        """``grad`` cut like the master it belongs to (the pieces are consecutive views from its start)."""
-        out, start = [], 0
-        for _, piece in pieces:
-            out.append(grad[start : start + piece.numel()])
-            start += piece.numel()
-        return out
 
     def masters(self) -> Iterator[torch.Tensor]:
         return iter(self._masters)

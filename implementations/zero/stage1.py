@@ -59,6 +59,8 @@ class ZeRO1Engine(ShardedEngine):
         if last:
             for bucket in self.buckets:
                 bucket.begin_last_micro_batch()
+            if self.launch_order is not None:
+                self.launch_order.restart()
         return self._micro_batch(batch, n)
 
     def state_bytes(self) -> dict[str, dict[str, int]]:

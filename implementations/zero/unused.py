@@ -69,19 +69,28 @@ class Usage:
         *,
         comm: Comm,
         device: torch.device,
+        whole_bucket_may_idle: bool = True,
     ) -> None:
+        """``whole_bucket_may_idle``: False at stage 3, where a unit with no gradient at all on one rank could not
+        be reduced in turn with backward's gathers on every rank (refused in one line)."""
         self.buckets = buckets
         self.params = params
         self.comm = comm
         self.device = device
+        self.whole_bucket_may_idle = whole_bucket_may_idle
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """Mark, in every bucket, the parameters this micro-batch's graph does not reach."""
         reached = reached_parameters(loss)
-        for bucket, params in zip(self.buckets, self.params, strict=True):
-            for index, param in enumerate(params):
-                if id(param) not in reached:
-                    bucket.mark_unused(index)
+        for i, (bucket, params) in enumerate(zip(self.buckets, self.params, strict=True)):
+            unreached = [index for index, param in enumerate(params) if id(param) not in reached]
+            if len(unreached) == len(params) and not self.whole_bucket_may_idle:
+                raise RuntimeError(
+                    f"zero3: unit {i} gets no gradient at all on this rank; its reduce-scatter cannot be placed in "
+                    "turn with backward's gathers on every rank (a block no token reaches is not supported)"
+                )
+            for index in unreached:
+                bucket.mark_unused(index)
 
     def skipped(self) -> list[set[int]]:
         """After the step's last backward: per bucket, the parameters no rank used (one all-reduce of flags)."""

@@ -108,7 +108,7 @@ class MoEBlock(Block):
         """Tracing (``zbench plan --trace``): which tokens reach which expert depends on the data, which fake
         tensors do not hold, so the trace assumes the tokens spread evenly over the experts (each expert runs on
         an equal share: the peak of balanced routing; docs/methods.md)."""
-        parts = h.reshape(-1, h.shape[-1]).chunk(len(self.experts))
+        parts = h.reshape(-1, h.shape[-1]).tensor_split(len(self.experts))  # one part each, some empty if few
         return torch.cat([expert(part) for expert, part in zip(self.experts, parts)]).to(h.dtype).view_as(h)
 
 

@@ -113,7 +113,8 @@ class ModelState(_Part):
     """Where ``predicted`` comes from: the ZeRO formulas, or the implementation's own declared layout."""
     unused_parameters: bool = False
     """The model may leave parameters without a gradient in a step (experts no token reached): an engine then
-    holds fewer gradient bytes than the formulas say (none for such a parameter after the step), never more."""
+    holds fewer gradient bytes than the formulas say (none for such a parameter after the step), and no optimizer
+    state for one that never had a gradient; never more."""
 
 
 class OpVolume(_Part):
