@@ -10,6 +10,12 @@ import torch
 from zbench.protocol import MicroBatch, TrainSpec
 
 
+def may_leave_unused(model: torch.nn.Module) -> bool:
+    """Whether the model declares that some parameters may get no gradient in a step (``module.unused_parameters``:
+    experts no token reached), which DDP, FSDP2 and the reference engine each handle their own way."""
+    return bool(getattr(model, "unused_parameters", False))
+
+
 def autocast(spec: TrainSpec) -> contextlib.AbstractContextManager:
     """Autocast to the spec's compute dtype, or nothing for fp32."""
     if spec.precision == "fp32":

@@ -14,6 +14,7 @@ from zbench.implementations._common import (
     full_parameters_of,
     global_grad_norm,
     grad_scaler,
+    may_leave_unused,
     maybe,
 )
 from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, TrainSpec
@@ -36,7 +37,7 @@ class DDPEngine(EngineBase):
             model,
             process_group=group,
             device_ids=device_ids,
-            find_unused_parameters=bool(getattr(model, "unused_parameters", False)) and not tracing,
+            find_unused_parameters=may_leave_unused(model) and not tracing,
         )
         self.optimizer = spec.make_optimizer(model.parameters())
         self.scaler = grad_scaler(spec)

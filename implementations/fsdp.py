@@ -18,7 +18,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from zbench.implementations._common import accumulate, full_parameters_of, global_grad_norm
+from zbench.implementations._common import accumulate, full_parameters_of, global_grad_norm, may_leave_unused
 from zbench.protocol import Capabilities, EngineBase, MicroBatch, ModelShape, TrainSpec
 from zbench.state_bytes import module_state_bytes, moved_to_host
 
@@ -63,7 +63,7 @@ class FSDPEngine(EngineBase):
             fully_shard(blocks, mesh=mesh, mp_policy=policy, offload_policy=offload)
         sharded = fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
         assert isinstance(sharded, nn.Module)  # ``model`` itself, its class now a subclass of FSDPModule too
-        if getattr(model, "unused_parameters", False) and hasattr(sharded, "set_reduce_scatter_unused_params"):
+        if may_leave_unused(model) and hasattr(sharded, "set_reduce_scatter_unused_params"):
             # FSDP2's setting for experts no token reached: zeros from a rank that did not use a parameter, as
             # DDP's find_unused_parameters; without it the ranks' reduce-scatters differ in size and gloo aborts.
             # A parameter no rank used then gets a zero gradient, which AdamW steps where DDP's skips it

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from zbench.implementations._common import accumulate
+from zbench.implementations._common import accumulate, may_leave_unused
 from zbench.implementations.zero import checkpoint
 from zbench.implementations.zero.comm import Comm, Handle
 from zbench.implementations.zero.flat import partition_by_numel
@@ -22,7 +22,7 @@ from zbench.implementations.zero.params import ReplicatedParams, ShardedParams
 from zbench.implementations.zero.placement import Placement
 from zbench.implementations.zero.precision import LossScaler
 from zbench.implementations.zero.state import gather_full_parameters
-from zbench.implementations.zero.unused import Usage, may_leave_unused
+from zbench.implementations.zero.unused import Usage
 from zbench.protocol import MicroBatch, TrainSpec
 
 GATHERS_IN_FLIGHT = 2

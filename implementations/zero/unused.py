@@ -21,15 +21,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from zbench.implementations.zero.comm import Comm
-
-
-def may_leave_unused(model: nn.Module) -> bool:
-    """Whether the model declares that some parameters may get no gradient in a step."""
-    return bool(getattr(model, "unused_parameters", False))
 
 
 def reached_parameters(loss: torch.Tensor) -> set[int]:
