@@ -59,7 +59,6 @@ def test_json_contract(compared):
     assert (tmp / out["run_id"] / "run.json").exists()
 
 
-@pytest.mark.heavy
 def test_table(tmp_path):
     result = zbench(
         "compare", "ddp", "ddp", "--device", "cpu", "--nproc", "1", "--steps", "4", "--results", str(tmp_path)

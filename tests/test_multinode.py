@@ -143,6 +143,89 @@ def runs(tmp_path_factory):
     }
 
 
+#: The fast tier's walk through the multi-node launcher: two loopback nodes train a suite that names a DeepSpeed
+#: config (ZeRO-2, fp32) under DDP, DeepSpeed and FSDP1, the adapters no other fast test launches. Meanwhile the
+#: SLURM launcher runs the reference ZeRO-3 swapping its state to files (NVMe offload) through tests/tools/srun.
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "weight_decay": 0.01}},
+    "zero_optimization": {"stage": 2},
+}
+FAST_NODES_SUITE = """
+name: two-nodes-ds-config
+device: cpu
+models: tiny
+implementations: [ddp, deepspeed, fsdp1]
+world_sizes: 2
+deepspeed_config: ds.json
+steps: 4
+warmup_steps: 1
+paired_rounds: 0
+noise_twin: false
+timeout_s: 600
+"""
+FAST_SRUN_SUITE = """
+name: srun-nvme
+device: cpu
+models: tiny
+implementations: [ddp, zero3]
+world_sizes: 2
+offload: nvme
+nvme_dir: {nvme}
+steps: 4
+warmup_steps: 1
+paired_rounds: 0
+noise_twin: false
+timeout_s: 600
+"""
+
+
+@pytest.fixture(scope="module")
+def fast_runs(tmp_path_factory):
+    """The DeepSpeed-config suite on two loopback nodes and the NVMe suite under srun, all at once."""
+    tmp = tmp_path_factory.mktemp("fast-nodes")
+    (tmp / "ds.json").write_text(json.dumps(DS_CONFIG))
+    (tmp / "nodes.yaml").write_text(FAST_NODES_SUITE)
+    (tmp / "nvme").mkdir()
+    (tmp / "srun.yaml").write_text(FAST_SRUN_SUITE.format(nvme=tmp / "nvme"))
+    fake_srun = {"PATH": f"{ROOT / 'tests' / 'tools'}{os.pathsep}{os.environ['PATH']}"}
+    srun = start(
+        ["run", str(tmp / "srun.yaml"), "--launcher", "slurm", "--results", str(tmp / "srun"), "--report",
+         str(tmp / "srun-report")],
+        **fake_srun,
+    )  # fmt: skip
+    nodes = two_nodes(str(tmp / "nodes.yaml"), tmp / "two")
+    return {"two": (nodes, tmp / "two"), "srun": (finish(srun), tmp / "srun"), "nvme": tmp / "nvme"}
+
+
+def test_two_nodes_train_a_deepspeed_config_like_ddp(fast_runs):
+    (node0, node1), results = fast_runs["two"]
+    assert node0.returncode == 0, node0.stderr[-3000:]
+    assert node1.returncode == 0, node1.stderr[-3000:]
+    got = {r["config"]["implementation"]: r for r in records(results).values()}
+    assert set(got) == {"ddp", "deepspeed", "fsdp1"}, sorted(got)
+    for name in ("deepspeed", "fsdp1"):
+        record = got[name]
+        assert record["status"] == "ok" and record["equivalence"]["equivalent"] is True, (name, record.get("error"))
+        assert record["config"]["stage"] == 2 and record["config"]["world_size"] == 2
+    assert got["deepspeed"]["config"]["options"]["config"]["zero_optimization"] == {"stage": 2}
+    assert "node 0 stored the results" in node1.stderr
+    assert len(run_info(results)["nodes"]) == 2
+    assert (results / "report" / "index.html").exists()
+
+
+def test_srun_runs_the_reference_engine_swapping_to_nvme_like_ddp(fast_runs):
+    result, results = fast_runs["srun"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = {r["config"]["implementation"]: r for r in records(results).values()}
+    assert got["ddp"]["config"]["offload"] == "none"  # the reference never offloads
+    zero3 = got["zero3"]
+    assert zero3["status"] == "ok" and zero3["equivalence"]["equivalent"] is True, zero3.get("error")
+    assert zero3["config"]["offload"] == "nvme"
+    assert list(fast_runs["nvme"].iterdir()) == []  # each case's swap directory is gone with it
+
+
 def _same_as_one_node(one: dict[str, dict], other: dict[str, dict]) -> None:
     """Every case of ``other`` has the status, losses, final parameters, traffic and verdict of its twin in ``one``."""
     assert set(other) <= set(one)

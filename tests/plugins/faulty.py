@@ -62,10 +62,12 @@ class FaultyEngine(DDPEngine):
         super().__init__(model, spec, group)
         self.fault = spec.options.get("fault")
         self.steps = 0
-        if self.fault == "abort_at_exit" and dist.get_rank() == 1:
+        # only a launched rank; `zbench report --simulate` builds the engine in its own process to trace it
+        launched = "RANK" in os.environ
+        if self.fault == "abort_at_exit" and launched and dist.get_rank() == 1:
             # crashes while the process group is torn down, after the worker has handed back its results
             dist.destroy_process_group = lambda *args, **kwargs: os.abort()
-        elif self.fault == "abort_at_exit":
+        elif self.fault == "abort_at_exit" and launched:
             # the peer lingers in its own teardown, so the agent's SIGTERM (it stops the peers of a rank that died)
             # always finds it there, as it does by chance on a loaded machine: a stop, not a crash of its own
             teardown = dist.destroy_process_group
