@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zbench.implementations._common import accumulate, full_parameters_of, global_grad_norm, may_leave_unused
-from zbench.protocol import Capabilities, EngineBase, MicroBatch, ModelShape, TrainSpec
+from zbench.protocol import Capabilities, EngineBase, MicroBatch, ModelShape, TrainSpec, root_held
 from zbench.state_bytes import module_state_bytes, moved_to_host
 
 
@@ -28,10 +28,7 @@ def shard_groups(model: nn.Module) -> list[list[nn.Module]]:
     (FSDP2 refuses a parameter managed by two groups) and blocks sharing one with the root stay in the root's."""
     blocks = list(getattr(model, "blocks", []))
     ids = [{id(p) for p in block.parameters()} for block in blocks]
-    # by identity, not by name: a published architecture's blocks are its decoder layers, aliased as ``blocks``
-    # but first registered (and named) under the transformers model
-    in_blocks = {id(m) for block in blocks for m in block.modules()}
-    in_root = {id(p) for m in model.modules() if id(m) not in in_blocks for p in m.parameters(recurse=False)}
+    in_root = root_held(model, blocks)
     groups: list[set[int]] = []
     for i in range(len(blocks)):
         touching = [g for g in groups if any(ids[i] & ids[j] for j in g)]

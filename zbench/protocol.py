@@ -39,6 +39,7 @@ __all__ = [
     "MicroBatch",
     "ModelShape",
     "TrainSpec",
+    "root_held",
 ]
 
 
@@ -79,6 +80,14 @@ class ModelShape:
     def last_block_parameters(self) -> int:
         """The last block's elements (0 without blocks): the one backward starts with, still gathered."""
         return self.block_sizes[-1] if self.block_sizes else 0
+
+
+def root_held(model: nn.Module, blocks: Iterable[nn.Module]) -> set[int]:
+    """``id``s of the parameters a module outside every block registers itself (embeddings, final norm, head, a
+    tied weight): the root's, found by module identity, not by name, since a published architecture's blocks are its
+    decoder layers, aliased as ``model.blocks`` but first registered (and named) under the transformers model."""
+    in_blocks = {id(m) for block in blocks for m in block.modules()}
+    return {id(p) for m in model.modules() if id(m) not in in_blocks for p in m.parameters(recurse=False)}
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,7 @@ class LaunchOrder:
 
     def __init__(self, buckets: Sequence[_FedByAutograd]) -> None:
         self.buckets = list(buckets)
+        self._index = {id(bucket): i for i, bucket in enumerate(self.buckets)}
         for bucket in self.buckets:
             bucket.order = self
         self.restart()
@@ -101,7 +102,7 @@ class LaunchOrder:
         self._next = 0
 
     def ready(self, bucket: _FedByAutograd) -> None:
-        self._ready[next(i for i, b in enumerate(self.buckets) if b is bucket)] = True
+        self._ready[self._index[id(bucket)]] = True
         while self._next < len(self.buckets) and self._ready[self._next]:
             self.buckets[self._next]._launch()
             self._next += 1

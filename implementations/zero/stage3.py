@@ -17,7 +17,7 @@ from zbench.implementations.zero.optim import ShardedOptimizer
 from zbench.implementations.zero.params import ShardedParams
 from zbench.implementations.zero.precision import LossScaler
 from zbench.implementations.zero.state import Held, total, zero_state_bytes
-from zbench.protocol import TrainSpec
+from zbench.protocol import TrainSpec, root_held
 
 
 def split_units(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[list[tuple[str, nn.Parameter]]]]:
@@ -38,10 +38,7 @@ def split_units(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[
     for block in units:
         for p in set(map(id, block.parameters())):
             owners[p] = owners.get(p, 0) + 1
-    in_a_block = {id(m) for block in units for m in block.modules()}
-    # held by a module outside every block (wherever ``blocks`` sits in the module tree: HF models keep their
-    # layers at ``model.model.layers``)
-    direct = {id(p) for m in model.modules() if id(m) not in in_a_block for p in m.parameters(recurse=False)}
+    direct = root_held(model, units)
     shared = {p for p, n in owners.items() if n > 1 or p in direct}
     blocks = [[(name_of[id(p)], p) for p in block.parameters() if id(p) not in shared] for block in units]
     in_blocks = {id(p) for block in blocks for _, p in block}

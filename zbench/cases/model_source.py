@@ -213,9 +213,10 @@ def parameter_sizes(name: str) -> tuple[int, ...]:
 def _block_layout(model: nn.Module) -> tuple[tuple[int, ...], int]:
     """Elements each of ``model.blocks`` holds alone, and those two or more blocks share (``ModelShape``): a weight
     the root also holds (a tied head) is the root's alone."""
+    from zbench.protocol import root_held  # imports torch, which a model at hand has imported already
+
     modules = list(model.get_submodule("blocks").children())
-    in_blocks = {id(m) for block in modules for m in block.modules()}
-    in_root = {id(p) for m in model.modules() if id(m) not in in_blocks for p in m.parameters(recurse=False)}
+    in_root = root_held(model, modules)
     blocks = [list(block.parameters()) for block in modules]
     holders = Counter(id(p) for params in blocks for p in params if id(p) not in in_root)
     own = tuple(sum(p.numel() for p in params if holders[id(p)] == 1) for params in blocks)

@@ -39,12 +39,16 @@ class Block(nn.Module):
         self.out = nn.Linear(cfg.ffn_hidden, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._attend(x)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    def _attend(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` plus its causal self-attention: the half of the block a mixture-of-experts block keeps."""
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return x + self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
 class MLP(nn.Module):
@@ -89,11 +93,7 @@ class MoEBlock(Block):
 
     def forward(self, x: torch.Tensor, route: torch.Tensor | None = None) -> torch.Tensor:
         assert route is not None  # the model passes every block its tokens' experts
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        x = self._attend(x)
         h = self.ln2(x)
         if _has_no_values(h):
             return x + self._spread_evenly(h)
