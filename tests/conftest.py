@@ -48,7 +48,8 @@ def zbench_many(arg_lists: list[list[str]], cwd: Path = ROOT, timeout: float = 3
     later ones ran past their timeouts."""
     from concurrent.futures import ThreadPoolExecutor
 
-    at_once = max(4, os.cpu_count() or 4)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # the fast tier's other worker runs its own
+    at_once = max(2, max(4, os.cpu_count() or 4) // workers)
     with ThreadPoolExecutor(max_workers=at_once) as pool:
         return list(pool.map(lambda args: zbench(*args, cwd=cwd, timeout=timeout), arg_lists))
 

@@ -64,6 +64,7 @@ def test_table(tmp_path):
         "compare", "ddp", "ddp", "--device", "cpu", "--nproc", "1", "--steps", "4", "--results", str(tmp_path)
     )
     assert result.returncode == 0, result.stderr
+    assert "1.00x" in result.stdout  # DDP against itself
     for label in (
         "median step time",
         "ratio to DDP",

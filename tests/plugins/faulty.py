@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from zbench.implementations.ddp import DDPEngine
 from zbench.protocol import Capabilities, EngineBase, ImplementationBase, TrainSpec
@@ -62,8 +63,9 @@ class FaultyEngine(DDPEngine):
         super().__init__(model, spec, group)
         self.fault = spec.options.get("fault")
         self.steps = 0
-        # only a launched rank; `zbench report --simulate` builds the engine in its own process to trace it
-        launched = "RANK" in os.environ
+        # not in a trace (`zbench report --simulate` builds the engine on fake tensors in its own process, and would
+        # wait out the linger there)
+        launched = not any(isinstance(p, FakeTensor) for p in model.parameters())
         if self.fault == "abort_at_exit" and launched and dist.get_rank() == 1:
             # crashes while the process group is torn down, after the worker has handed back its results
             dist.destroy_process_group = lambda *args, **kwargs: os.abort()
