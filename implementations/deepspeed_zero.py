@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -88,20 +89,35 @@ def deepspeed_config(spec: TrainSpec, micro_batch: int) -> dict[str, Any]:
     return config
 
 
+def extension_build_root() -> Path:
+    """The folder this torch builds its JIT extensions in, found as ``torch.utils.cpp_extension`` finds it:
+    ``$TORCH_EXTENSIONS_DIR`` as given, else one folder per Python and accelerator build under the default root.
+    A CPU torch and a CUDA torch on one machine build apart, so a lock of one never blocks the other."""
+    if given := os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(given)
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        accelerator = "rocm" + torch.version.hip.replace(".", "")
+    elif torch.version.cuda is not None:
+        accelerator = "cu" + torch.version.cuda.replace(".", "")
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
 def stale_build_locks(root: Path | None = None, now: float | None = None) -> dict[Path, float]:
-    """DeepSpeed ops' JIT build locks under torch's extension directory older than ``STALE_BUILD_LOCK_S``, with
-    their ages in seconds.
+    """DeepSpeed ops' JIT build locks in this torch's extension folder (``root``: ``extension_build_root()``) older
+    than ``STALE_BUILD_LOCK_S``, with their ages in seconds.
 
     Note: torch's ``FileBaton`` waits for a lock file without end, and a build killed midway (a case's timeout, an
     interrupt) leaves its lock behind: every later DeepSpeed case on the machine would wait until its timeout.
     """
-    if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    root = extension_build_root() if root is None else root
     now = time.time() if now is None else now
     found = {}
-    for lock in root.glob("*/deepspeed*/lock"):
+    for lock in root.glob("deepspeed*/lock"):
         try:
             age = now - lock.stat().st_mtime
         except OSError:  # released meanwhile

@@ -370,7 +370,7 @@ def test_a_deepspeed_build_lock_left_by_a_killed_build_is_refused_not_waited_on(
     from zbench.implementations import deepspeed_zero
     from zbench.protocol import TrainSpec
 
-    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"  # torch builds in $TORCH_EXTENSIONS_DIR itself when it is set
     lock.parent.mkdir(parents=True)
     lock.touch()
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
@@ -381,6 +381,31 @@ def test_a_deepspeed_build_lock_left_by_a_killed_build_is_refused_not_waited_on(
     assert deepspeed_zero.stale_build_locks(now=old + 1) == {}
     with pytest.raises(RuntimeError, match=r"deepspeed_shm_comm/lock is 11 minutes old: .*delete the file"):
         deepspeed_zero._prepare_environment(TrainSpec(device=torch.device("cpu"), stage=2))
+
+
+def test_a_stale_build_lock_of_another_torch_build_is_not_this_ones(tmp_path, monkeypatch):
+    """Without $TORCH_EXTENSIONS_DIR each Python x accelerator build of torch has its own folder under the default
+    root. A lock left by the CUDA build of torch in its folder never blocks the CPU build's DeepSpeed (the heavy tier
+    failed every DeepSpeed case on such a lock once), while one in this build's folder is still found."""
+    import os
+    import sys
+    import time
+
+    import torch.utils.cpp_extension
+
+    from zbench.implementations import deepspeed_zero
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(torch.utils.cpp_extension, "get_default_build_root", lambda: str(tmp_path))
+    mine = deepspeed_zero.extension_build_root()
+    assert mine.parent == tmp_path and mine.name.startswith(f"py{sys.version_info.major}{sys.version_info.minor}")
+    old = time.time() - deepspeed_zero.STALE_BUILD_LOCK_S - 60
+    theirs = tmp_path / "py311_cu999" / "deepspeed_shm_comm" / "lock"
+    for lock in (theirs, mine / "deepspeed_shm_comm" / "lock"):
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        lock.touch()
+        os.utime(lock, (old, old))
+    assert list(deepspeed_zero.stale_build_locks()) == [mine / "deepspeed_shm_comm" / "lock"]
 
 
 def test_deepspeed_cases_are_skipped_with_the_install_hint_where_it_is_absent(monkeypatch):
