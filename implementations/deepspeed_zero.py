@@ -107,13 +107,25 @@ def extension_build_root() -> Path:
     return Path(get_default_build_root()) / f"{python}_{accelerator}"
 
 
+def lock_files_block() -> bool:
+    """Whether this torch's extension builds wait for a lock file to disappear (``FileBaton``, up to torch 2.13)."""
+    import torch.utils.cpp_extension
+
+    return hasattr(torch.utils.cpp_extension, "FileBaton")
+
+
 def stale_build_locks(root: Path | None = None, now: float | None = None) -> dict[Path, float]:
     """DeepSpeed ops' JIT build locks in this torch's extension folder (``root``: ``extension_build_root()``) older
     than ``STALE_BUILD_LOCK_S``, with their ages in seconds.
 
     Note: torch's ``FileBaton`` waits for a lock file without end, and a build killed midway (a case's timeout, an
     interrupt) leaves its lock behind: every later DeepSpeed case on the machine would wait until its timeout.
+    Newer torch (2.14) holds an OS advisory lock on the file instead, which the kernel releases when its holder
+    dies, and leaves the file behind after every build: there a lock file is no sign of anything, and none is
+    reported.
     """
+    if not lock_files_block():
+        return {}
     root = extension_build_root() if root is None else root
     now = time.time() if now is None else now
     found = {}
