@@ -13,23 +13,27 @@ from zbench.plan.simulate.step import collective_seconds, estimate
 H100 = load("h100-sxm")
 
 
+NVLINK_S, NET_S = H100.intra_node.latency_us * 1e-6, H100.inter_node.latency_us * 1e-6
+NVLINK_B, NET_B = H100.intra_node.bandwidth_gb_s * 1e9, H100.inter_node.bandwidth_gb_s * 1e9
+
+
 def test_ring_all_gather_inside_a_node_by_hand():
     s = collective_seconds("all_gather", 1e9, 1, 8, H100)
-    assert s == pytest.approx(7 * 3e-6 + 7 / 8 * 1e9 / 450e9)
+    assert s == pytest.approx(7 * NVLINK_S + 7 / 8 * 1e9 / NVLINK_B)
 
 
 def test_across_nodes_the_network_sets_bandwidth_and_each_node_adds_a_network_hop():
     s = collective_seconds("reduce_scatter", 1e9, 2, 32, H100)  # 4 nodes: 27 NVLink hops, 4 network hops per pass
-    latency = 2 * (27 * 3e-6 + 4 * 8e-6)
-    assert s == pytest.approx(latency + 31 / 32 * 1e9 / 50e9)
+    latency = 2 * (27 * NVLINK_S + 4 * NET_S)
+    assert s == pytest.approx(latency + 31 / 32 * 1e9 / NET_B)
 
 
 def test_all_reduce_takes_the_faster_of_ring_and_tree():
     many_small = collective_seconds("all_reduce", 1e6, 1000, 1024, H100)
-    tree = 1000 * 2 * (3 * 3e-6 + 7 * 8e-6) + 1e6 / 50e9
+    tree = 1000 * 2 * (3 * NVLINK_S + 7 * NET_S) + 1e6 / NET_B
     assert many_small == pytest.approx(tree)  # latency-bound: log-depth tree wins
     one_big = collective_seconds("all_reduce", 1e10, 1, 16, H100)
-    ring = 2 * (13 * 3e-6 + 2 * 8e-6) + 15 / 16 * 1e10 / 50e9
+    ring = 2 * (13 * NVLINK_S + 2 * NET_S) + 15 / 16 * 1e10 / NET_B
     assert one_big == pytest.approx(ring)  # bandwidth-bound: the ring's (p-1)/p wins
 
 
@@ -50,7 +54,7 @@ def test_overlap_hides_forward_gathers_up_to_forward_compute_and_no_further(fact
     calls = 10
     one_call = forward_s * factor / (calls - 1)  # every call but the first hides
     per_call_latency = collective_seconds("all_gather", 0, 1, 8, cluster)
-    gather_bytes = calls * (one_call - per_call_latency) * 450e9 * 8 / 7
+    gather_bytes = calls * (one_call - per_call_latency) * NVLINK_B * 8 / 7
     est = estimate(
         _zero3_like(gather_bytes, calls), cluster=cluster, world=8, flops_per_step=flops, params=1,
         stage=3, offload="none", checkpointing=False, tokens_per_step=1,
@@ -75,7 +79,7 @@ def test_offload_adds_host_step_and_pcie_time():
               tokens_per_step=1)  # fmt: skip
     plain, off = estimate({}, offload="none", **kw), estimate({}, offload="optimizer", **kw)
     shard = 10**9
-    assert off.offload_s == pytest.approx(8 * shard / 50e9 + shard / 1e8)
+    assert off.offload_s == pytest.approx(8 * shard / (H100.pcie_gb_s * 1e9) + shard / H100.host_adam_params_per_s)
     assert off.step_s == pytest.approx(plain.step_s + off.offload_s)
 
 

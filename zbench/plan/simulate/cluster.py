@@ -4,6 +4,11 @@ A profile says what the step-time model (``zbench.plan.simulate.step``) needs ab
 the share of it a transformer step reaches, the links inside a node and between nodes (bus bandwidth per GPU
 and per-hop latency, the alpha and beta of the alpha-beta model), the host link and the NVMe drives. The
 built-in profiles live beside this module (``clusters/*.yaml``); a user's file is given by its path.
+
+Profiles carry a schema version (``schema_version``; a file without one is version 1, the first layout, and
+loads as it always did). Version 2 adds ``sources`` (where each figure comes from: a datasheet, a published
+microbenchmark, an assumption, or a measurement) and, in profiles ``zbench calibrate`` writes, ``calibration``
+(the measured tables the figures were derived from, ``zbench.plan.simulate.calibration``).
 """
 
 from __future__ import annotations
@@ -12,9 +17,14 @@ import math
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from zbench.plan.simulate.calibration import Calibration
 
 BUILT_IN = Path(__file__).with_name("clusters")
+
+#: The newest profile layout this zbench reads and writes (the module docstring says what each adds).
+SCHEMA_VERSION = 2
 
 
 class Link(BaseModel):
@@ -42,6 +52,27 @@ class Cluster(BaseModel):
     overlap: float = Field(
         default=1.0, ge=0, le=1, description="share of overlappable communication that runs beside compute"
     )
+    schema_version: int = Field(default=1, ge=1, description="the profile layout; files without one are version 1")
+    sources: dict[str, str] = Field(
+        default_factory=dict, description="figure name -> where it comes from (datasheet, microbenchmark, ...)"
+    )
+    calibration: Calibration | None = Field(default=None, description="what `zbench calibrate` measured")
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, version: int) -> int:
+        if version > SCHEMA_VERSION:
+            raise ValueError(f"version {version} is newer than this zbench reads ({SCHEMA_VERSION}): upgrade zbench")
+        return version
+
+    @field_validator("sources")
+    @classmethod
+    def _known_figures(cls, sources: dict[str, str]) -> dict[str, str]:
+        """A source names a figure of the profile (``peak_tflops``, or ``intra_node.latency_us`` for part of one)."""
+        unknown = sorted(name for name in sources if name.split(".")[0] not in cls.model_fields)
+        if unknown:
+            raise ValueError(f"sources name figures the profile does not have: {', '.join(unknown)}")
+        return sources
 
     def nodes(self, world: int) -> int:
         return math.ceil(world / self.gpus_per_node)

@@ -1,0 +1,145 @@
+"""``zbench calibrate``: a real calibration of this machine (quick probes) read back as a profile the simulator
+takes; the alpha-beta fit against planted curves, noise and a descheduled rank; profile schema versions."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import yaml
+
+from zbench.plan.calibrate.collectives import OPS, ledger_bytes
+from zbench.plan.calibrate.fit import crossing_bytes, fit_alpha_beta, hops
+from zbench.plan.simulate.cluster import SCHEMA_VERSION, ClusterError, built_in_names, load
+
+SIZES = [4**e for e in range(1, 13)]
+
+
+def _planted(op: str, latency_s: float, bandwidth: float, ranks: int) -> list[tuple[int, float]]:
+    return [(b, latency_s + crossing_bytes(op, b, ranks) / bandwidth) for b in SIZES]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fit_recovers_a_planted_curve(op, ranks):
+    latency, bandwidth, error = fit_alpha_beta(op, _planted(op, 80e-6, 1.5e9, ranks), ranks)
+    assert latency == pytest.approx(80e-6, rel=1e-3) and bandwidth == pytest.approx(1.5e9, rel=1e-3)
+    assert error < 1e-3
+
+
+def test_fit_holds_through_noise_and_one_descheduled_rank():
+    """+-15% noise on every size and one size 40x slow (a rank descheduled on a shared host): the latency and
+    bandwidth stay within 15%; an unweighted least-squares fit would not (checked, so the test can fail)."""
+    import numpy as np
+
+    rng = random.Random(7)
+    points = [(b, s * rng.uniform(0.85, 1.15)) for b, s in _planted("all_gather", 50e-6, 2e9, 2)]
+    points[2] = (points[2][0], points[2][1] * 40)
+    latency, bandwidth, _ = fit_alpha_beta("all_gather", points, 2)
+    assert latency == pytest.approx(50e-6, rel=0.15) and bandwidth == pytest.approx(2e9, rel=0.15)
+    x = [crossing_bytes("all_gather", b, 2) for b, _ in points]
+    naive_latency = np.polyfit(x, [s for _, s in points], 1)[1]
+    assert abs(naive_latency - 50e-6) > 0.15 * 50e-6
+
+
+def test_flat_curve_is_refused_as_noise():
+    with pytest.raises(ValueError, match="noise"):
+        fit_alpha_beta("all_reduce", [(b, 1e-4) for b in SIZES], 2)
+
+
+def test_ledger_bytes_and_hops_follow_the_step_model():
+    assert ledger_bytes("all_reduce", 100, 4) == 200 and ledger_bytes("all_gather", 100, 4) == 400
+    assert ledger_bytes("reduce_scatter", 100, 4) == 100 and ledger_bytes("broadcast", 100, 4) == 100
+    assert hops("all_gather", 8) == 7 and hops("all_reduce", 8) == 14 and hops("broadcast", 8) == 3
+
+
+#: A profile as users wrote them before schema versions existed (h100-sxm's first file): still loads, as version 1.
+VERSION_1 = """\
+name: mine
+description: 8 x H100 SXM 80GB per node
+gpu: H100 SXM 80GB
+peak_tflops: 989        # dense bf16 tensor-core peak
+memory_gib: 80
+efficiency: 0.5
+gpus_per_node: 8
+intra_node: {bandwidth_gb_s: 450, latency_us: 3}
+inter_node: {bandwidth_gb_s: 50, latency_us: 8}
+pcie_gb_s: 50
+nvme_gb_s_per_node: 25
+host_adam_params_per_s: 1.0e8
+overlap: 1.0
+"""
+
+#: The figures the step-time model reads: every shipped profile says where each comes from.
+FIGURES = ("peak_tflops", "memory_gib", "efficiency", "intra_node", "inter_node", "pcie_gb_s", "nvme_gb_s_per_node",
+           "host_adam_params_per_s", "overlap")  # fmt: skip
+
+
+def test_a_version_1_file_still_loads_and_shipped_profiles_source_every_figure(tmp_path):
+    old = tmp_path / "mine.yaml"
+    old.write_text(VERSION_1)
+    mine = load(str(old))
+    assert mine.schema_version == 1 and mine.sources == {} and mine.calibration is None
+    assert mine.intra_node.bandwidth_gb_s == 450
+    for name in built_in_names():
+        profile = load(name)
+        assert profile.schema_version == SCHEMA_VERSION, name
+        covered = {key.split(".")[0] for key in profile.sources}
+        assert covered >= set(FIGURES), (name, set(FIGURES) - covered)
+
+
+def test_a_newer_file_or_a_source_for_no_figure_is_refused_in_one_line(tmp_path):
+    newer = tmp_path / "newer.yaml"
+    data = load("h100-sxm").model_dump(mode="json", exclude_none=True)
+    newer.write_text(yaml.safe_dump({**data, "schema_version": SCHEMA_VERSION + 1}))
+    with pytest.raises(ClusterError, match="newer than this zbench reads") as exc:
+        load(str(newer))
+    assert "\n" not in str(exc.value)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(yaml.safe_dump({**data, "sources": {"peak_tflop": "datasheet"}}))
+    with pytest.raises(ClusterError, match="peak_tflop"):
+        load(str(wrong))
+
+
+def test_calibrate_writes_a_profile_the_simulator_takes(cli, tmp_path):
+    out = tmp_path / "here.yaml"
+    r = cli("calibrate", "--quick", "--ranks", "2", "--nvme-dir", str(tmp_path), "--out", str(out), "--name", "here")
+    assert r.returncode == 0, r.stderr
+    assert "[4/6] collectives over 2 gloo ranks" in r.stderr and f"wrote {out}" in r.stderr
+    profile = load(str(out))
+    cal = profile.calibration
+    assert profile.name == "here" and profile.schema_version == SCHEMA_VERSION and cal is not None
+    assert {c.op for c in cal.collectives} == set(OPS) and all(c.ranks == 2 for c in cal.collectives)
+    assert all(len(c.points) >= 8 for c in cal.collectives)
+    assert cal.disk is not None and cal.disk.directory == str(tmp_path) and not list(tmp_path.glob(".zbench-*"))
+    assert set(profile.sources) >= set(FIGURES)  # every figure the step model reads is measured or says why not
+    assert profile.peak_tflops == pytest.approx(max(p.tflops for p in cal.matmul), rel=1e-3)
+    assert profile.gpus_per_node == 2 and profile.overlap == 0.0
+    r = cli("plan", "--simulate", str(out), "--model", "tiny", "-i", "ddp", "-o", "none", "--gpus", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)["rows"]
+    assert row["error"] is None and row["estimates"][0]["step_s"] > 0
+
+
+def test_calibrate_on_one_rank_takes_the_links_from_a_base_profile(cli, tmp_path):
+    r = cli("calibrate", "--quick", "--ranks", "1", "--base", "h100-sxm", "--nvme-dir", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr
+    profile = json.loads(r.stdout)
+    assert profile["calibration"]["collectives"] == [] and "skipped, one rank" in r.stderr
+    assert profile["intra_node"] == load("h100-sxm").intra_node.model_dump()
+    assert "base profile h100-sxm" in profile["sources"]["intra_node"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ranks", "1"], "give --base PROFILE"),
+        (["--base", "nope"], "unknown cluster"),
+        (["--nvme-dir", "/nonexistent/dir"], "not a directory"),
+    ],
+)
+def test_calibrate_bad_input_is_one_line_and_exit_2(cli, tmp_path, args, message):
+    r = cli("calibrate", "--quick", "--out", str(tmp_path / "p.yaml"), *args)
+    assert r.returncode == 2 and message in r.stderr and not (tmp_path / "p.yaml").exists(), r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 2, r.stderr  # the "calibrating ..." line at most, then the error

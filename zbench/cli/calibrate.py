@@ -1,0 +1,88 @@
+"""``zbench calibrate``: measure this machine and write a cluster profile for ``plan --simulate`` and
+``report --simulate``."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from zbench.errors import UsageError
+
+OutOpt = Annotated[
+    Path | None, typer.Option("--out", "-o", help="Write the profile here (YAML) instead of printing it.")
+]
+NameOpt = Annotated[str | None, typer.Option(help="The profile's name (default: calibrated-HOSTNAME).")]
+RanksOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="Ranks the collectives run over: GPUs (default: every visible one) or, without a GPU, CPU cores "
+        "(default: all, at most 4; each rank one thread, as a CPU run of zbench).",
+    ),
+]
+NvmeDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--nvme-dir",
+        help="Directory on the drive NVMe offload would use, for its write and read speed (default: the system's "
+        "temporary directory, named in the profile).",
+    ),
+]
+BaseOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Profile (built-in name or file) for what one host cannot measure: the link between nodes, and the "
+        "links altogether on a single GPU.",
+    ),
+]
+QuickOpt = Annotated[
+    bool, typer.Option("--quick", help="Smaller probes and fewer repeats: a rough profile in about 20 s on a CPU.")
+]
+
+
+def calibrate_cmd(
+    out: OutOpt = None,
+    name: NameOpt = None,
+    ranks: RanksOpt = None,
+    nvme_dir: NvmeDirOpt = None,
+    base: BaseOpt = None,
+    quick: QuickOpt = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON instead of YAML.")] = False,
+) -> None:
+    """Measure this machine (matrix products, memory bandwidth, collectives against message size, copies,
+    hooks, the disk, the host optimizer) and write a cluster profile. At most a few minutes; progress on
+    stderr."""
+    from zbench.cli.options import stderr
+    from zbench.plan.calibrate.machine import Machine, calibrate
+    from zbench.plan.calibrate.profile import derive, to_yaml
+    from zbench.plan.simulate.cluster import ClusterError, load
+
+    disk = nvme_dir or Path(tempfile.gettempdir())
+    if not disk.is_dir():
+        raise UsageError(f"--nvme-dir {disk}: not a directory")
+    try:
+        base_profile = load(base) if base else None
+    except ClusterError as exc:
+        raise UsageError(str(exc)) from None
+    machine = Machine.here(ranks)
+    if machine.ranks == 1 and base_profile is None:  # refused before minutes of measuring, not after
+        raise UsageError("one rank here: no collective can be measured; give --base PROFILE for the links")
+    console = stderr()
+    console.print(f"calibrating {machine.name} x {machine.ranks} ({machine.backend})")
+    measured = calibrate(machine, disk_dir=disk, quick=quick, progress=console.print)
+    profile = derive(
+        measured, name=name or f"calibrated-{measured.host}", gpu=machine.name, memory_gib=machine.memory_gib,
+        ranks_per_node=machine.ranks, base=base_profile,
+    )  # fmt: skip
+    text = json.dumps(profile.model_dump(mode="json", exclude_none=True), indent=1) if as_json else to_yaml(profile)
+    if out is None:
+        print(text)
+        return
+    from zbench.atomic import atomic_write_bytes
+
+    atomic_write_bytes(out, (text + "\n").encode())
+    console.print(f"wrote {out} ({measured.seconds:.0f} s): use it as `zbench plan --simulate {out}`", soft_wrap=True)

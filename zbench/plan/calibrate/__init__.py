@@ -1,0 +1,1 @@
+"""``zbench calibrate``: measure the machine at hand and write a cluster profile the simulator reads."""

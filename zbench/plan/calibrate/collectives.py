@@ -1,0 +1,134 @@
+"""Each collective's time against message size over ``ranks`` processes on this machine's backend.
+
+The ranks are spawned processes (``torch.multiprocessing``) joined over TCP on the loopback interface: gloo
+with one CPU thread each (a CPU rank is one core, as in a CPU run of zbench), or NCCL with one GPU each.
+Sizes grow by factors of 4 from 4 bytes to the device's largest message; each is timed on rank 0 from a
+barrier (the median of repeats, ``Timer``'s rule, less a barrier's own median), then fitted
+(``zbench.plan.calibrate.fit``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from zbench.plan.calibrate.fit import fit_alpha_beta
+from zbench.plan.calibrate.timer import Timer
+from zbench.plan.simulate.calibration import CollectiveCurve
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+# torch 2.14 renamed the tensor forms (the old names warn); the reference engine picks them the same way.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def message_sizes(device_type: str, quick: bool) -> list[int]:
+    """Buffer bytes per rank: 4 B to 16 MiB on CPUs (4 MiB quick), to 1 GiB on GPUs, by factors of 4."""
+    top = 30 if device_type == "cuda" else (22 if quick else 24)
+    return [2**e for e in range(2, top + 1, 2)]
+
+
+def repeats(buffer_bytes: int, quick: bool) -> int:
+    """Timed calls per message size: many for latency-bound sizes, a few for bandwidth-bound ones."""
+    many = buffer_bytes <= 2**20
+    if quick:
+        return 7 if many else 3
+    return 21 if many else 5
+
+
+def ledger_bytes(op: str, buffer_bytes: int, ranks: int) -> int:
+    """The bytes the harness's ledger counts for one call on a per-rank buffer of ``buffer_bytes``."""
+    if op == "all_reduce":
+        return 2 * buffer_bytes
+    if op == "all_gather":
+        return buffer_bytes * ranks  # the gathered output
+    if op == "reduce_scatter":
+        return buffer_bytes  # the input, of which each rank keeps 1/ranks
+    return buffer_bytes
+
+
+def _call(op: str, buf: torch.Tensor, ranks: int) -> object:
+    if op == "all_reduce":
+        return dist.all_reduce(buf)
+    if op == "all_gather":
+        return _all_gather(buf.new_empty(buf.numel() * ranks), buf)
+    if op == "reduce_scatter":
+        return _reduce_scatter(buf.new_empty(max(buf.numel() // ranks, 1)), buf)
+    return dist.broadcast(buf, src=0)
+
+
+def _rank(rank: int, ranks: int, port: int, backend: str, quick: bool, out: str) -> None:
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    for op in OPS:  # the first calls of each kind set up connections and buffers: never timed
+        for _ in range(2):
+            _call(op, torch.ones(ranks * 256, device=device), ranks)
+    results: dict[str, list[tuple[int, float]]] = {}
+    for op in OPS:
+        points = []
+        for size in message_sizes(device.type, quick):
+            # Every rank must call each collective as often as the others: a fixed count per size, never a
+            # time budget (each rank would stop at its own count and the group would hang).
+            n = repeats(size, quick)
+            timer = Timer(device, budget_s=0.0, min_repeats=n, max_repeats=n)
+            buf = torch.ones(max(size // 4, ranks), device=device)
+
+            def step(op: str = op, buf: torch.Tensor = buf) -> None:
+                dist.barrier()
+                _call(op, buf, ranks)
+
+            # The barrier's own time is measured alone and taken off: it is a collective as long as the call.
+            seconds = max(timer.median_s(step) - timer.median_s(dist.barrier), 1e-7)
+            points.append((ledger_bytes(op, buf.numel() * 4, ranks), seconds))
+        results[op] = points
+    issue = _issue_seconds(device, ranks)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"points": results, "issue_s": issue}))
+    dist.destroy_process_group()
+
+
+def _issue_seconds(device: torch.device, ranks: int, calls: int = 200) -> float:
+    """Host seconds to issue one asynchronous all-reduce of a small buffer (waited for outside the timing)."""
+    buf = torch.ones(ranks, device=device)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        work = dist.all_reduce(buf, async_op=True)
+        times.append(time.perf_counter() - start)
+        work.wait()
+    return sorted(times)[len(times) // 2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def measure(ranks: int, backend: str, *, quick: bool) -> tuple[list[CollectiveCurve], float]:
+    """Every collective's curve over ``ranks`` ranks, fitted, and the host time to issue one call."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "collectives.json"
+        mp.spawn(_rank, args=(ranks, _free_port(), backend, quick, str(out)), nprocs=ranks)
+        data = json.loads(out.read_text())
+    curves = []
+    for op, raw in data["points"].items():
+        points = [(int(b), float(s)) for b, s in raw]
+        latency, bandwidth, error = fit_alpha_beta(op, points, ranks)
+        curves.append(
+            CollectiveCurve(
+                op=op, ranks=ranks, latency_us=latency * 1e6, bandwidth_gb_s=bandwidth / 1e9,
+                fit_error=error, points=points,
+            )
+        )  # fmt: skip
+    return curves, float(data["issue_s"])

@@ -1,0 +1,134 @@
+"""One process's measurements: matrix products, memory-bound operators, host <-> device copies, module hooks
+and the host optimizer step.
+
+The matrix shapes are a transformer layer's: ``tokens x hidden`` activations against ``hidden x hidden``
+(attention projections) and ``hidden x 4 hidden`` / ``4 hidden x hidden`` (the MLP) weights, at token counts and
+hidden sizes that fit the device (a CPU core runs the small end, a GPU the large), plus one square product that
+usually reaches the device's best rate (the profile's peak).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from zbench.plan.calibrate.timer import Timer
+from zbench.plan.simulate.calibration import BandwidthPoint, MatmulPoint
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How large the probes are on a device kind; ``quick`` shrinks them for a rough profile in seconds."""
+
+    tokens: tuple[int, ...]
+    hidden: tuple[int, ...]
+    square: int
+    dtypes: tuple[torch.dtype, ...]
+    stream_bytes: int
+    """Memory-bound operators and copies: bytes per tensor."""
+
+    @staticmethod
+    def for_device(device: torch.device, *, quick: bool) -> Sizes:
+        if device.type == "cuda":
+            return Sizes(
+                tokens=(2048, 8192), hidden=(1024, 4096, 8192), square=8192,
+                dtypes=(torch.bfloat16, torch.float16, torch.float32), stream_bytes=2**30,
+            )  # fmt: skip
+        if quick:
+            return Sizes(tokens=(256,), hidden=(256,), square=512, dtypes=(torch.float32,), stream_bytes=16 * 2**20)
+        return Sizes(
+            tokens=(512, 2048), hidden=(256, 768), square=1024,
+            dtypes=(torch.float32, torch.bfloat16), stream_bytes=64 * 2**20,
+        )  # fmt: skip
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def layer_shapes(sizes: Sizes) -> Iterator[tuple[int, int, int]]:
+    """``(m, k, n)`` of a transformer layer's products at every size, and the square one."""
+    yield sizes.square, sizes.square, sizes.square
+    for tokens in sizes.tokens:
+        for h in sizes.hidden:
+            yield from ((tokens, h, h), (tokens, h, 4 * h), (tokens, 4 * h, h))
+
+
+def matmul_table(timer: Timer, sizes: Sizes) -> list[MatmulPoint]:
+    points = []
+    for dtype in sizes.dtypes:
+        for m, k, n in layer_shapes(sizes):
+            if dtype != sizes.dtypes[0] and timer.device.type == "cpu" and m * k * n > 2**31:
+                continue  # a CPU's reduced-precision products can be 10x slower: only the smaller shapes
+            a = torch.randn(m, k, device=timer.device, dtype=dtype)
+            b = torch.randn(k, n, device=timer.device, dtype=dtype)
+            seconds = timer.median_s(partial(torch.matmul, a, b))
+            points.append(MatmulPoint(m=m, k=k, n=n, dtype=dtype_name(dtype), tflops=2 * m * k * n / seconds / 1e12))
+    return points
+
+
+def memory_bound(timer: Timer, sizes: Sizes) -> list[BandwidthPoint]:
+    """``copy_`` (one read, one write) and ``add`` (two reads, one write) of fp32 tensors."""
+    n = sizes.stream_bytes // 4
+    x, y, out = (torch.ones(n, device=timer.device) for _ in range(3))
+    copy_s = timer.median_s(lambda: out.copy_(x))
+    add_s = timer.median_s(lambda: torch.add(x, y, out=out))
+    return [
+        BandwidthPoint(op="copy", bytes=sizes.stream_bytes, gb_s=2 * sizes.stream_bytes / copy_s / 1e9),
+        BandwidthPoint(op="add", bytes=sizes.stream_bytes, gb_s=3 * sizes.stream_bytes / add_s / 1e9),
+    ]
+
+
+def copies(timer: Timer, sizes: Sizes) -> dict[str, float]:
+    """Host <-> device GB/s, pinned and pageable; on a CPU there is no device: one host memory copy."""
+    n = sizes.stream_bytes // 4
+    if timer.device.type != "cuda":
+        src, dst = torch.ones(n), torch.empty(n)
+        return {"host_copy": sizes.stream_bytes / timer.median_s(lambda: dst.copy_(src)) / 1e9}
+    out = {}
+    dev = torch.empty(n, device=timer.device)
+    for kind, host in (("pinned", torch.empty(n, pin_memory=True)), ("pageable", torch.empty(n))):
+        out[f"h2d_{kind}"] = sizes.stream_bytes / timer.median_s(partial(dev.copy_, host)) / 1e9
+        out[f"d2h_{kind}"] = sizes.stream_bytes / timer.median_s(partial(host.copy_, dev)) / 1e9
+    return out
+
+
+def hook_call_us(calls: int = 2000) -> float:
+    """Microseconds one forward pre-hook and one forward hook add to a module call (host time: hooks run on the
+    host whatever the device), from a tiny module called with and without them."""
+    module, x = nn.Identity(), torch.zeros(1)
+
+    def run() -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            module(x)
+        return (time.perf_counter() - start) / calls
+
+    bare = min(run() for _ in range(3))
+    module.register_forward_pre_hook(lambda mod, args: None)
+    module.register_forward_hook(lambda mod, args, out: None)
+    hooked = min(run() for _ in range(3))
+    return max(hooked - bare, 0.0) / 2 * 1e6
+
+
+def host_adam_params_per_s(threads: int, params: int = 4 * 2**20) -> float:
+    """torch's AdamW step on host fp32 tensors, as the offloading engines run it, on ``threads`` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        p = nn.Parameter(torch.randn(params))
+        p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW([p])
+        return params / Timer(torch.device("cpu"), budget_s=1.0).median_s(opt.step)
+    finally:
+        torch.set_num_threads(before)
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,0 +1,99 @@
+"""One calibration of the machine at hand: every probe in turn, with a progress line each, into a
+:class:`Calibration`.
+
+On a GPU (``torch.cuda`` sees one) the probes run on ``cuda:0`` timed with CUDA events and the collectives
+over NCCL, one rank per GPU; elsewhere on the CPU, one thread per rank as a CPU run of zbench gives each rank
+one core, with the collectives over gloo.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+import zbench
+from zbench.plan.calibrate import collectives, kernels
+from zbench.plan.calibrate.disk import probe_disk
+from zbench.plan.calibrate.timer import Timer
+from zbench.plan.simulate.calibration import Calibration, DiskProbe
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What is calibrated: the device, how many ranks share the host, and its name and memory per rank."""
+
+    device: torch.device
+    ranks: int
+    name: str
+    memory_gib: float
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    @staticmethod
+    def here(ranks: int | None) -> Machine:
+        """The GPUs torch sees (``ranks`` of them, default all), else ``ranks`` CPU cores (default all, at most 4)."""
+        if torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            props = torch.cuda.get_device_properties(0)
+            return Machine(torch.device("cuda", 0), min(ranks or count, count), props.name, props.total_memory / 2**30)
+        n = ranks or min(kernels.cores(), 4)
+        return Machine(torch.device("cpu"), n, "CPU core (fp32)", psutil.virtual_memory().total / 2**30 / n)
+
+
+def calibrate(machine: Machine, *, disk_dir: Path | None, quick: bool, progress: Callable[[str], None]) -> Calibration:
+    started = time.perf_counter()
+    threads = 1 if machine.device.type == "cpu" else max(1, kernels.cores() // machine.ranks)
+    torch.set_num_threads(1 if machine.device.type == "cpu" else threads)
+    timer = Timer(machine.device, budget_s=0.1 if quick else 0.3)
+    sizes = kernels.Sizes.for_device(machine.device, quick=quick)
+    steps = 6 if disk_dir is not None else 5
+
+    def step(i: int, what: str) -> None:
+        progress(f"[{i}/{steps}] {what} ({time.perf_counter() - started:.0f} s so far)")
+
+    step(1, f"matrix products on {machine.device.type}: {', '.join(map(kernels.dtype_name, sizes.dtypes))}")
+    matmul = kernels.matmul_table(timer, sizes)
+    step(2, "memory-bound operators and host <-> device copies")
+    memory_bound, copies = kernels.memory_bound(timer, sizes), kernels.copies(timer, sizes)
+    step(3, "module hooks and the host optimizer step")
+    hook_us, adam = kernels.hook_call_us(), kernels.host_adam_params_per_s(threads)
+    curves: list = []
+    issue_s = None
+    if machine.ranks > 1:
+        step(4, f"collectives over {machine.ranks} {machine.backend} ranks (spawning them)")
+        curves, issue_s = collectives.measure(machine.ranks, machine.backend, quick=quick)
+    else:
+        step(4, "collectives: skipped, one rank")
+    disk: DiskProbe | None = None
+    if disk_dir is not None:
+        step(5, f"disk: write and read in {disk_dir}")
+        disk = probe_disk(disk_dir, 64 * 2**20 if quick else 256 * 2**20)
+    step(steps, "done")
+    return Calibration(
+        measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        host=platform.node(),
+        torch=torch.__version__,
+        zbench=zbench.__version__,
+        device=machine.name if machine.device.type == "cuda" else "cpu",
+        backend=machine.backend,
+        ranks=machine.ranks,
+        threads_per_rank=threads,
+        seconds=round(time.perf_counter() - started, 1),
+        matmul=matmul,
+        memory_bound=memory_bound,
+        collectives=curves,
+        collective_issue_us=None if issue_s is None else issue_s * 1e6,
+        hook_call_us=hook_us,
+        copies_gb_s=copies,
+        disk=disk,
+        host_adam_params_per_s=adam,
+    )

@@ -1,0 +1,83 @@
+"""What ``zbench calibrate`` measured on a machine, kept in the cluster profile it writes (``calibration:``).
+
+The profile's scalar figures (``peak_tflops``, the links, ``pcie_gb_s``...) are what today's step-time model
+reads; they are derived from these tables (``zbench.plan.calibrate.profile``). The tables themselves are kept
+whole, curves included, so that a finer model can charge each operator and each collective its own measured
+time without calibrating again, and so that two calibrations can be compared figure by figure.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MatmulPoint(_Frozen):
+    """One matrix product ``(m x k) @ (k x n)`` in ``dtype``: its median throughput."""
+
+    m: int = Field(gt=0)
+    k: int = Field(gt=0)
+    n: int = Field(gt=0)
+    dtype: str
+    tflops: float = Field(gt=0)
+
+
+class BandwidthPoint(_Frozen):
+    """A memory-bound operator (``copy``: read + write; ``add``: two reads + a write) over ``bytes`` of input."""
+
+    op: str
+    bytes: int = Field(gt=0)
+    gb_s: float = Field(gt=0, description="bytes moved (read + written) per second, 10^9")
+
+
+class CollectiveCurve(_Frozen):
+    """One collective's time against message size over ``ranks`` ranks, and the alpha-beta fit of it.
+
+    ``points`` are ``[bytes, seconds]`` with bytes counted as the ledger counts them (an all-gather its output,
+    a reduce-scatter its input, an all-reduce twice its buffer), so the fit's bandwidth is the bus bandwidth
+    ``zbench.plan.simulate.step.collective_seconds`` takes: ``seconds = latency + (ranks-1)/ranks * bytes /
+    bandwidth`` (broadcast: ``bytes / bandwidth``).
+    """
+
+    op: str
+    ranks: int = Field(ge=2)
+    latency_us: float = Field(ge=0, description="the fit's intercept: one call's fixed cost")
+    bandwidth_gb_s: float = Field(gt=0, description="the fit's bus bandwidth, 10^9 bytes/s")
+    fit_error: float = Field(ge=0, description="median relative error of the fit over the points")
+    points: list[tuple[int, float]]
+
+
+class DiskProbe(_Frozen):
+    directory: str
+    write_gb_s: float = Field(gt=0, description="sequential write of a file, fsync included")
+    read_gb_s: float = Field(gt=0, description="sequential read of that file after evicting it from the page cache")
+    cache_evicted: bool = Field(description="whether the page cache could be told to drop the file before reading")
+
+
+class Calibration(_Frozen):
+    """Everything one ``zbench calibrate`` run measured, with where and when."""
+
+    measured_at: str = Field(description="UTC, ISO 8601")
+    host: str
+    torch: str
+    zbench: str
+    device: str = Field(description="the device the figures are for: a GPU's name, or 'cpu'")
+    backend: str
+    ranks: int = Field(ge=1, description="processes the collectives ran over (1: none measured)")
+    threads_per_rank: int = Field(ge=1)
+    seconds: float = Field(ge=0, description="how long the calibration took")
+    matmul: list[MatmulPoint]
+    memory_bound: list[BandwidthPoint]
+    collectives: list[CollectiveCurve]
+    collective_issue_us: float | None = Field(
+        default=None, ge=0, description="host time to issue one asynchronous collective (none at one rank)"
+    )
+    hook_call_us: float = Field(ge=0, description="cost of one module forward hook per call")
+    copies_gb_s: dict[str, float] = Field(
+        description="host <-> device copies (h2d/d2h, pinned/pageable); on a CPU a host memory copy"
+    )
+    disk: DiskProbe | None = None
+    host_adam_params_per_s: float = Field(gt=0)
