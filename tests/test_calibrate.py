@@ -104,8 +104,10 @@ def test_a_newer_file_or_a_source_for_no_figure_is_refused_in_one_line(tmp_path)
 
 def test_calibrate_writes_a_profile_the_simulator_takes(cli, tmp_path):
     out = tmp_path / "here.yaml"
-    r = cli("calibrate", "--quick", "--ranks", "2", "--nvme-dir", str(tmp_path), "--out", str(out), "--name", "here")
+    r = cli("calibrate", "--quick", "--ranks", "2", "--nvme-dir", str(tmp_path), "--out", str(out), "--name", "here",
+            "--against", "cpu-2core")  # fmt: skip
     assert r.returncode == 0, r.stderr
+    assert "cpu-2core -> this calibration" in r.stderr and "all_gather bandwidth_gb_s" in r.stderr
     assert "[4/6] collectives over 2 gloo ranks" in r.stderr and f"wrote {out}" in r.stderr
     profile = load(str(out))
     cal = profile.calibration
@@ -143,3 +145,13 @@ def test_calibrate_bad_input_is_one_line_and_exit_2(cli, tmp_path, args, message
     r = cli("calibrate", "--quick", "--out", str(tmp_path / "p.yaml"), *args)
     assert r.returncode == 2 and message in r.stderr and not (tmp_path / "p.yaml").exists(), r.stderr
     assert len(r.stderr.strip().splitlines()) <= 2, r.stderr  # the "calibrating ..." line at most, then the error
+
+
+def test_compare_lists_every_figure_of_either_profile_with_its_ratio():
+    from zbench.plan.calibrate.compare import compare
+
+    h100, a100 = load("h100-sxm"), load("a100-sxm")
+    rows = {d.figure: d for d in compare(h100, a100)}
+    assert rows["peak_tflops"].ratio == pytest.approx(312 / 989)
+    assert rows["intra_node.bandwidth_gb_s"].ratio == pytest.approx(235 / 370)
+    assert len(rows) == 9 and all(d.ratio is not None for d in rows.values())  # no tables: the scalars only

@@ -6,11 +6,16 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from zbench.errors import UsageError
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from zbench.plan.simulate.cluster import Cluster
 
 OutOpt = Annotated[
     Path | None, typer.Option("--out", "-o", help="Write the profile here (YAML) instead of printing it.")
@@ -39,6 +44,13 @@ BaseOpt = Annotated[
         "links altogether on a single GPU.",
     ),
 ]
+AgainstOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="A profile (an earlier calibration, or a built-in) to compare this calibration with, figure by figure "
+        "(a table on stderr): how far the machine moved between the two.",
+    ),
+]
 QuickOpt = Annotated[
     bool, typer.Option("--quick", help="Smaller probes and fewer repeats: a rough profile in about 20 s on a CPU.")
 ]
@@ -50,6 +62,7 @@ def calibrate_cmd(
     ranks: RanksOpt = None,
     nvme_dir: NvmeDirOpt = None,
     base: BaseOpt = None,
+    against: AgainstOpt = None,
     quick: QuickOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON instead of YAML.")] = False,
 ) -> None:
@@ -66,6 +79,7 @@ def calibrate_cmd(
         raise UsageError(f"--nvme-dir {disk}: not a directory")
     try:
         base_profile = load(base) if base else None
+        earlier = load(against) if against else None
     except ClusterError as exc:
         raise UsageError(str(exc)) from None
     machine = Machine.here(ranks)
@@ -78,6 +92,8 @@ def calibrate_cmd(
         measured, name=name or f"calibrated-{measured.host}", gpu=machine.name, memory_gib=machine.memory_gib,
         ranks_per_node=machine.ranks, base=base_profile,
     )  # fmt: skip
+    if earlier is not None:
+        console.print(_comparison(earlier, profile))
     text = json.dumps(profile.model_dump(mode="json", exclude_none=True), indent=1) if as_json else to_yaml(profile)
     if out is None:
         print(text)
@@ -86,3 +102,22 @@ def calibrate_cmd(
 
     atomic_write_bytes(out, (text + "\n").encode())
     console.print(f"wrote {out} ({measured.seconds:.0f} s): use it as `zbench plan --simulate {out}`", soft_wrap=True)
+
+
+def _comparison(earlier: Cluster, now: Cluster) -> Table:
+    from rich.table import Table
+
+    from zbench.plan.calibrate.compare import compare
+
+    table = Table(title=f"{earlier.name} -> this calibration")
+    for column in ("figure", earlier.name, "now", "now / then"):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+    for d in compare(earlier, now):
+        ratio = "" if d.ratio is None else f"{d.ratio:.2f}x"
+        table.add_row(
+            d.figure,
+            "-" if d.first is None else f"{d.first:.4g}",
+            "-" if d.second is None else f"{d.second:.4g}",
+            ratio,
+        )
+    return table

@@ -2,15 +2,15 @@
 
 The ranks are spawned processes (``torch.multiprocessing``) joined over TCP on the loopback interface: gloo
 with one CPU thread each (a CPU rank is one core, as in a CPU run of zbench), or NCCL with one GPU each.
-Sizes grow by factors of 4 from 4 bytes to the device's largest message; each is timed on rank 0 from a
-barrier (the median of repeats, ``Timer``'s rule, less a barrier's own median), then fitted
-(``zbench.plan.calibrate.fit``).
+Sizes grow by factors of 4 from 4 bytes to the device's largest message; each is timed on rank 0 as batches
+of back-to-back calls from a barrier (``_per_call_seconds``), then fitted (``zbench.plan.calibrate.fit``).
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zbench.plan.calibrate.fit import fit_alpha_beta
-from zbench.plan.calibrate.timer import Timer
 from zbench.plan.simulate.calibration import CollectiveCurve
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -35,12 +34,13 @@ def message_sizes(device_type: str, quick: bool) -> list[int]:
     return [2**e for e in range(2, top + 1, 2)]
 
 
-def repeats(buffer_bytes: int, quick: bool) -> int:
-    """Timed calls per message size: many for latency-bound sizes, a few for bandwidth-bound ones."""
-    many = buffer_bytes <= 2**20
-    if quick:
-        return 7 if many else 3
-    return 21 if many else 5
+def batches(buffer_bytes: int, quick: bool) -> tuple[int, int]:
+    """``(batches, calls per batch)`` for one message size: many calls for latency-bound sizes, few for
+    bandwidth-bound ones. Fixed by size, never by a time budget: every rank must issue each collective as often
+    as the others, or the group hangs."""
+    if buffer_bytes <= 2**20:
+        return (3, 5) if quick else (5, 10)
+    return (3, 1) if quick else (5, 2)
 
 
 def ledger_bytes(op: str, buffer_bytes: int, ranks: int) -> int:
@@ -77,24 +77,38 @@ def _rank(rank: int, ranks: int, port: int, backend: str, quick: bool, out: str)
     for op in OPS:
         points = []
         for size in message_sizes(device.type, quick):
-            # Every rank must call each collective as often as the others: a fixed count per size, never a
-            # time budget (each rank would stop at its own count and the group would hang).
-            n = repeats(size, quick)
-            timer = Timer(device, budget_s=0.0, min_repeats=n, max_repeats=n)
             buf = torch.ones(max(size // 4, ranks), device=device)
-
-            def step(op: str = op, buf: torch.Tensor = buf) -> None:
-                dist.barrier()
-                _call(op, buf, ranks)
-
-            # The barrier's own time is measured alone and taken off: it is a collective as long as the call.
-            seconds = max(timer.median_s(step) - timer.median_s(dist.barrier), 1e-7)
+            seconds = _per_call_seconds(op, buf, ranks, *batches(size, quick))
             points.append((ledger_bytes(op, buf.numel() * 4, ranks), seconds))
         results[op] = points
     issue = _issue_seconds(device, ranks)
     if rank == 0:
         Path(out).write_text(json.dumps({"points": results, "issue_s": issue}))
     dist.destroy_process_group()
+
+
+def _per_call_seconds(op: str, buf: torch.Tensor, ranks: int, batches: int, calls: int) -> float:
+    """The median over ``batches`` of one call's share of ``calls`` back-to-back calls started from a barrier.
+
+    Back to back, as nccl-tests times them: a rank that leaves the barrier late delays the first call of a
+    batch only, not every call, and no barrier's own time has to be taken off (on a loaded host the barrier
+    varies by more than a small message takes).
+    """
+    times = []
+    for _ in range(batches):
+        dist.barrier()
+        _synchronize(buf.device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            _call(op, buf, ranks)
+        _synchronize(buf.device)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _issue_seconds(device: torch.device, ranks: int, calls: int = 200) -> float:
