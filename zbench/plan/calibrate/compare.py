@@ -53,6 +53,8 @@ def _figures(profile: Cluster) -> dict[str, float]:
     for kind, gb_s in cal.copies_gb_s.items():
         out[f"copy {kind} gb_s"] = gb_s
     out["hook_call_us"] = cal.hook_call_us
+    if cal.op_call_us is not None:
+        out["op_call_us"] = cal.op_call_us
     if cal.collective_issue_us is not None:
         out["collective_issue_us"] = cal.collective_issue_us
     if cal.disk is not None:

@@ -117,6 +117,18 @@ def hook_call_us(calls: int = 2000) -> float:
     return max(hooked - bare, 0.0) / 2 * 1e6
 
 
+def op_call_us(timer: Timer, calls: int = 2000) -> float:
+    """Microseconds of one operator call on a one-element tensor: dispatch, not work (on a GPU, the launch)."""
+    a, b = torch.ones(1, device=timer.device), torch.ones(1, device=timer.device)
+    out = torch.empty(1, device=timer.device)
+
+    def many() -> None:
+        for _ in range(calls):
+            torch.add(a, b, out=out)
+
+    return timer.median_s(many) / calls * 1e6
+
+
 def host_adam_params_per_s(threads: int, params: int = 4 * 2**20) -> float:
     """torch's AdamW step on host fp32 tensors, as the offloading engines run it, on ``threads`` threads."""
     before = torch.get_num_threads()

@@ -64,8 +64,8 @@ def calibrate(machine: Machine, *, disk_dir: Path | None, quick: bool, progress:
     matmul = kernels.matmul_table(timer, sizes)
     step(2, "memory-bound operators and host <-> device copies")
     memory_bound, copies = kernels.memory_bound(timer, sizes), kernels.copies(timer, sizes)
-    step(3, "module hooks and the host optimizer step")
-    hook_us, adam = kernels.hook_call_us(), kernels.host_adam_params_per_s(threads)
+    step(3, "operator and module-hook call costs, the host optimizer step")
+    hook_us, op_us, adam = kernels.hook_call_us(), kernels.op_call_us(timer), kernels.host_adam_params_per_s(threads)
     curves: list = []
     issue_s = None
     if machine.ranks > 1:
@@ -93,6 +93,7 @@ def calibrate(machine: Machine, *, disk_dir: Path | None, quick: bool, progress:
         collectives=curves,
         collective_issue_us=None if issue_s is None else issue_s * 1e6,
         hook_call_us=hook_us,
+        op_call_us=op_us,
         copies_gb_s=copies,
         disk=disk,
         host_adam_params_per_s=adam,

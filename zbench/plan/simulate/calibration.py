@@ -76,6 +76,9 @@ class Calibration(_Frozen):
         default=None, ge=0, description="host time to issue one asynchronous collective (none at one rank)"
     )
     hook_call_us: float = Field(ge=0, description="cost of one module forward hook per call")
+    op_call_us: float | None = Field(
+        default=None, ge=0, description="dispatch cost of one operator call (a one-element add), host time"
+    )
     copies_gb_s: dict[str, float] = Field(
         description="host <-> device copies (h2d/d2h, pinned/pageable); on a CPU a host memory copy"
     )

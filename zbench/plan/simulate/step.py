@@ -6,7 +6,9 @@ buffer) and the phase that issues them. Per rank these volumes do not depend on 
 and 3Ψ), so one trace serves every world size of a sweep. The model (docs/methods.md#simulation):
 
 - compute: the model's training FLOPs per step over ``peak x efficiency``; a third is forward, two thirds
-  backward, plus one more forward with activation checkpointing;
+  backward, plus one more forward with activation checkpointing. With a calibrated profile and a trace
+  that recorded its operators, each phase's compute is instead the sum of its operators' measured costs
+  (``zbench.plan.simulate.compute``), the optimizer step's included;
 - a collective over ``p`` ranks at bus bandwidth ``B`` (the node's link when ``p`` fits in a node, else the
   slower of node and network): ring all-gather / reduce-scatter ``L_ring + (p-1)/p S / B``; all-reduce the
   faster of ring ``2 L_ring + (p-1)/p S / B`` and tree ``2 L_tree + S / B`` (``S``: the ledger's bytes,
@@ -57,6 +59,8 @@ class StepEstimate:
     tokens_per_s_per_gpu: float
     mfu: float
     comm_to_compute: float
+    compute_model: str
+    """``operators`` (each traced operator at its calibrated cost) or ``peak x efficiency``."""
     hides_gathers: bool
     """Forward and backward hide all their collectives but the one call each that nothing can hide."""
     phase_comm_s: dict[str, float]
@@ -101,12 +105,20 @@ def estimate(
     offload: str,
     checkpointing: bool,
     tokens_per_step: int,
+    phase_compute: dict[str, float] | None = None,
 ) -> StepEstimate:
-    """One rank's step at ``world`` ranks; ``flops_per_step`` and ``tokens_per_step`` are one rank's."""
-    rate = cluster.peak_tflops * 1e12 * cluster.efficiency
-    forward = flops_per_step / 3 / rate
-    backward = 2 * flops_per_step / 3 / rate + (forward if checkpointing else 0.0)
-    compute = forward + backward
+    """One rank's step at ``world`` ranks; ``flops_per_step`` and ``tokens_per_step`` are one rank's.
+
+    ``phase_compute`` (seconds per phase from the traced operators) replaces the FLOPs-over-peak compute."""
+    if phase_compute is not None:
+        forward, backward = phase_compute.get("forward", 0.0), phase_compute.get("backward", 0.0)
+        after = phase_compute.get("after_backward", 0.0)
+    else:
+        rate = cluster.peak_tflops * 1e12 * cluster.efficiency
+        forward = flops_per_step / 3 / rate
+        backward = 2 * flops_per_step / 3 / rate + (forward if checkpointing else 0.0)
+        after = 0.0
+    compute = forward + backward + after
     per_phase = {
         phase: sum(collective_seconds(op, e["bytes"], e["count"], world, cluster) for op, e in ops.items())
         for phase, ops in phases.items()
@@ -128,6 +140,7 @@ def estimate(
         tokens_per_s_per_gpu=tokens_per_step / step if step else float("inf"),
         mfu=flops_per_step / step / (cluster.peak_tflops * 1e12) if step else 0.0,
         comm_to_compute=comm / compute if compute else float("inf"),
+        compute_model="peak x efficiency" if phase_compute is None else "operators",
         hides_gathers=hid_f and hid_b,
         phase_comm_s=per_phase,
     )

@@ -7,6 +7,7 @@ from typing import Any
 
 from zbench.cases.model_source import model_info
 from zbench.plan.simulate.cluster import Cluster
+from zbench.plan.simulate.compute import phase_seconds
 from zbench.plan.simulate.step import StepEstimate, estimate
 from zbench.plan.trace.plan import TracedRow
 
@@ -40,6 +41,16 @@ class SimulatedRow:
         }
 
 
+def operator_compute(row: TracedRow, cluster: Cluster, world: int) -> dict[str, float] | None:
+    """Compute per phase from the traced operators where the profile is calibrated and the trace has them."""
+    if cluster.calibration is None or not row.trace.ops:
+        return None
+    return phase_seconds(
+        row.trace.ops, cluster.calibration, traced_world=row.case.world_size, world=world,
+        sharded_step=row.case.stage >= 1,
+    )  # fmt: skip
+
+
 def simulate(rows: list[TracedRow], cluster: Cluster, scales: list[int]) -> list[SimulatedRow]:
     out = []
     for row in rows:
@@ -61,6 +72,7 @@ def simulate(rows: list[TracedRow], cluster: Cluster, scales: list[int]) -> list
                     offload=case.offload,
                     checkpointing=case.activation_checkpointing,
                     tokens_per_step=tokens,
+                    phase_compute=operator_compute(row, cluster, world),
                 )
                 for world in scales
             ]

@@ -43,6 +43,7 @@ from zbench.cases.model_source import build, model_info
 from zbench.cases.models import checkpoint_blocks, rank_micro_batches
 from zbench.measure import comms
 from zbench.plan.trace.live import LiveBytes
+from zbench.plan.trace.ops import OpLedger
 
 
 @dataclass
@@ -63,6 +64,8 @@ class TraceResult:
     """``{phase: {op: {"count", "bytes"}}}`` for the last step; phases ``forward``, ``backward``,
     ``after_backward`` (``phase_of``)."""
     peak: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ops: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """The last step's operators by phase (``zbench.plan.trace.ops``)."""
     seconds: float = 0.0
     error: str | None = None
 
@@ -83,16 +86,20 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
-def mark_phases(model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
-    """Mark, in the ledger's call log, where each forward ends (the model returned its loss) and where each
-    backward ends (autograd's queue-callback, queued from the loss's own gradient hook)."""
+def mark_phases(model: torch.nn.Module, ops: OpLedger) -> torch.utils.hooks.RemovableHandle:
+    """Mark, in the ledger's call log and in ``ops``, where each forward ends (the model returned its loss) and
+    where each backward ends (autograd's queue-callback, queued from the loss's own gradient hook)."""
+
+    def mark(name: str) -> None:
+        comms.mark(name)
+        ops.mark(name)
 
     def backward_started(grad: torch.Tensor) -> torch.Tensor:
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: comms.mark("backward_end"))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: mark("backward_end"))
         return grad
 
     def forward_ended(_module: torch.nn.Module, _args: object, loss: object) -> None:
-        comms.mark("forward_end")
+        mark("forward_end")
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.register_hook(backward_started)
 
@@ -180,12 +187,13 @@ def trace_case(
         if fake:
             stack.enter_context(_fake_mode())
         live = stack.enter_context(LiveBytes(device))
+        ops = stack.enter_context(OpLedger())
         try:
             on_phase(f"building {case.model}")
             model = build(case.model, seed=case.seed, device=device)
             if case.activation_checkpointing:
                 checkpoint_blocks(model)
-            stack.enter_context(mark_phases(model))  # the hook is removed with the trace
+            stack.enter_context(mark_phases(model, ops))  # the hook is removed with the trace
             on_phase(f"wrapping the model with {case.implementation}")
             engine = registry.resolve(case.implementation).build(
                 model, case.train_spec(device, swap_dir=swap_dir), dist.group.WORLD
@@ -201,11 +209,13 @@ def trace_case(
                     with cycles_collected_between_steps():
                         if step == steps - 1:
                             live.start_step()
+                            ops.start_step()
                             comms.take()
                             comms.take_calls()
                         engine.step(micro_batches)
                 result.collectives = comms.take()
                 result.phases = phase_of(comms.take_calls())
+                result.ops = ops.take()
                 result.peak = {loc: {"bytes": p.bytes, "roles": p.roles} for loc, p in live.peaks.items()}
                 result.state_bytes = engine.state_bytes()
             finally:

@@ -1,0 +1,127 @@
+"""The trace's operator ledger and the step model's operator-level compute: traced FLOPs against the model's
+own count (forward, backward twice forward, checkpointing's recompute), and each operator charged from a
+planted calibration by hand."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, child_env
+from zbench.plan.simulate.calibration import BandwidthPoint, Calibration, MatmulPoint
+from zbench.plan.simulate.compute import flop_rate, op_seconds, phase_seconds
+
+TRACE = """
+import json, sys, torch
+from zbench.cases.model_source import model_info
+from zbench.plan.trace.plan import make_case
+from zbench.plan.trace.shims import fake_world
+from zbench.plan.trace.tracer import trace_case
+out = {}
+with fake_world(2):
+    for impl, stage, ckpt in (("ddp", 0, False), ("zero3", 3, False), ("zero3", 3, True), ("fsdp", 3, False)):
+        case = make_case("small", impl, stage, "none", gpus=2, precision="fp32", micro_batch=2, seq_len=64,
+                         device="cpu", checkpointing=ckpt)
+        trace = trace_case(case, fake=True, device=torch.device("cpu"))
+        assert trace.error is None, trace.error
+        flops = {p: sum(e["flops"] * e["count"] for e in es) for p, es in trace.ops.items()}
+        calls = {p: sum(e["count"] for e in es) for p, es in trace.ops.items()}
+        out[f"{impl}-{ckpt}"] = {"flops": flops, "calls": calls, "ops": trace.ops}
+out["model"] = model_info("small").flops_per_token(64) * 2 * 64
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def traced():
+    result = subprocess.run(
+        [sys.executable, "-c", TRACE], env=child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("run", ["ddp-False", "zero3-False", "fsdp-False"])
+def test_traced_flops_are_the_models_count_split_a_third_forward(traced, run):
+    """The model's training FLOPs (6N per token plus attention, the simulator's count) against what torch's
+    formulas say the traced operators did, for three layouts of the same model: the same compute."""
+    flops = traced[run]["flops"]
+    assert flops["forward"] == pytest.approx(traced["model"] / 3, rel=0.05)
+    assert flops["backward"] == pytest.approx(2 * flops["forward"], rel=0.05)
+    assert flops.get("after_backward", 0) == 0  # the optimizer step computes nothing torch counts as FLOPs
+    assert traced[run]["calls"]["after_backward"] > 0  # but it runs operators: they cost memory time
+
+
+def test_checkpointing_recomputes_the_blocks_forward_inside_backward_up_to_what_backward_needs(traced):
+    """Checkpointing wraps the blocks, not the LM head, and torch's non-reentrant checkpoint stops recomputing
+    once every tensor backward needs is back: the MLP's down projection (its output is needed by nothing) is
+    not run again. So backward gains the blocks' forward less each block's down projection, not a whole
+    forward (the peak x efficiency model's assumption, a third of the MLP too much)."""
+    from zbench.presets import PRESETS
+
+    plain, ckpt = traced["zero3-False"]["flops"], traced["zero3-True"]["flops"]
+    gpt, tokens = PRESETS["small"], 2 * 64
+    head = 2 * tokens * gpt.d_model * gpt.vocab
+    down = gpt.layers * 2 * tokens * gpt.ffn_hidden * gpt.d_model
+    assert ckpt["forward"] == pytest.approx(plain["forward"], rel=0.01)
+    assert ckpt["backward"] - plain["backward"] == pytest.approx(plain["forward"] - head - down, rel=0.03)
+
+
+def _calibration(device: str = "cpu", op_call_us: float = 2.0) -> Calibration:
+    """Planted: fp32 products at 1 TFLOP/s for 2e6 FLOPs and 3 TFLOP/s for 2e9; memory 10 GB/s."""
+    return Calibration(
+        measured_at="2026-11-27T00:00:00+00:00", host="planted", torch="x", zbench="x", device=device,
+        backend="gloo", ranks=2, threads_per_rank=1, seconds=0.0,
+        matmul=[MatmulPoint(m=100, k=100, n=100, dtype="float32", tflops=1.0),
+                MatmulPoint(m=1000, k=1000, n=1000, dtype="float32", tflops=3.0)],
+        memory_bound=[BandwidthPoint(op="copy", bytes=1, gb_s=10.0), BandwidthPoint(op="add", bytes=1, gb_s=10.0)],
+        collectives=[], hook_call_us=0.0, op_call_us=op_call_us, copies_gb_s={"host_copy": 1.0},
+        host_adam_params_per_s=1.0,
+    )  # fmt: skip
+
+
+def test_flop_rate_interpolates_in_log_flops_and_holds_beyond_the_table():
+    cal = _calibration()
+    assert flop_rate(cal, "float32", 2e6) == pytest.approx(1e12)
+    assert flop_rate(cal, "float32", 2e9) == pytest.approx(3e12)
+    assert flop_rate(cal, "float32", 2e6 * 10**1.5) == pytest.approx(2e12)  # halfway in log
+    assert flop_rate(cal, "float32", 1.0) == pytest.approx(1e12) and flop_rate(cal, "float32", 1e15) == 3e12
+    assert flop_rate(cal, "bfloat16", 2e9) == pytest.approx(3e12)  # not measured: the first dtype's table
+
+
+def test_each_operator_is_charged_by_hand():
+    cal = _calibration()
+    matmul = {"op": "mm", "dtype": "float32", "flops": 2e9, "bytes": 12e6, "count": 3}
+    add = {"op": "add", "dtype": "float32", "flops": 0, "bytes": 3e6, "count": 5}
+    assert op_seconds(matmul, cal, on_gpu=False) == pytest.approx(3 * (2e9 / 3e12 + 2e-6))
+    assert op_seconds(add, cal, on_gpu=False) == pytest.approx(5 * (3e6 / 10e9 + 2e-6))
+    tiny = {"op": "add", "dtype": "float32", "flops": 0, "bytes": 8, "count": 10}
+    assert op_seconds(tiny, cal, on_gpu=True) == pytest.approx(10 * 2e-6)  # launch-bound on a GPU
+    ops = {"forward": [matmul], "after_backward": [add]}
+    at_8 = phase_seconds(ops, cal, traced_world=2, world=8, sharded_step=True)
+    assert at_8["after_backward"] == pytest.approx(op_seconds(add, cal, on_gpu=False) / 4)
+    assert phase_seconds(ops, cal, traced_world=2, world=8, sharded_step=False)["after_backward"] == pytest.approx(
+        op_seconds(add, cal, on_gpu=False)
+    )
+
+
+def test_simulate_with_a_calibrated_profile_charges_operators(cli, tmp_path, traced):
+    from zbench.plan.calibrate.profile import derive, to_yaml
+    from zbench.plan.simulate.cluster import load
+
+    profile = tmp_path / "planted.yaml"
+    cal = _calibration()  # no collectives or disk measured: those figures come from the base profile
+    planted = derive(cal, name="planted", gpu="CPU", memory_gib=8, ranks_per_node=2, base=load("cpu-2core"))
+    profile.write_text(to_yaml(planted))
+    r = cli("plan", "--simulate", str(profile), "--model", "small", "-i", "ddp", "-o", "none", "--gpus", "2",
+            "--precision", "fp32", "--micro-batch", "2", "--seq-len", "64", "--scale", "2", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)["rows"]
+    (est,) = row["estimates"]
+    assert est["compute_model"] == "operators"
+    by_hand = phase_seconds(traced["ddp-False"]["ops"], cal, traced_world=2, world=2, sharded_step=False)
+    assert est["compute_s"] == pytest.approx(sum(by_hand.values()), rel=0.02)

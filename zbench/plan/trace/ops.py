@@ -1,0 +1,114 @@
+"""The compute one rank runs in a step, operator by operator, with the phase that ran it.
+
+The step-time model charges each operator its own time from a calibrated profile (matrix products at the
+measured rate for their size and dtype, everything else at the measured memory bandwidth, each call its
+dispatch cost) instead of one FLOPs-over-peak figure. ``OpLedger`` records, for the measured step, every
+operator that computes or moves memory: its name, dtype, input shapes, FLOPs (torch's own formulas,
+``torch.utils.flop_counter``), bytes read and written, and how often it ran. Views, fresh empty tensors and
+collectives (the communication ledger's) are left out. Identical calls are kept once with a count, so a
+70B model's 80 identical layers cost 1 entry each, not 80.
+
+Phases follow the tracer's markers (``zbench.plan.trace.tracer.mark_phases``): what runs before a forward's
+end is ``forward``, before a backward's end ``backward`` (recomputation under activation checkpointing
+included), after the last backward ``after_backward`` (the optimizer step).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+#: Operators that neither compute nor move memory (a fresh tensor's allocation; autograd bookkeeping).
+FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh"}
+MARKS = {"forward_end": "forward", "backward_end": "backward"}
+
+_Key = tuple[str, str, tuple[tuple[int, ...], ...], int, int]
+
+
+def _cpu_attention_flops(func: Any, args: Any) -> int | None:
+    """The CPU build's fused attention, which torch's FLOP formulas do not list (they cover the CUDA kernels):
+    the same count as theirs, from the query, key and value shapes."""
+    name = func._opname
+    if name == "_scaled_dot_product_flash_attention_for_cpu":
+        return int(sdpa_flop_count(*(a.shape for a in args[:3])))
+    if name == "_scaled_dot_product_flash_attention_for_cpu_backward":
+        return int(sdpa_backward_flop_count(*(a.shape for a in args[:4])))
+    return None
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _entry(key: _Key, count: int) -> dict[str, Any]:
+    op, dtype, shapes, flops, nbytes = key
+    return {
+        "op": op,
+        "dtype": dtype,
+        "shapes": [list(s) for s in shapes],
+        "flops": flops,
+        "bytes": nbytes,
+        "count": count,
+    }
+
+
+class OpLedger(TorchDispatchMode):
+    """Operators by phase, for the step between ``start_step`` and ``take``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._recording = False
+        self._segments: list[tuple[Counter[_Key], str | None]] = []
+        self._current: Counter[_Key] = Counter()
+
+    def start_step(self) -> None:
+        self._recording, self._segments, self._current = True, [], Counter()
+
+    def mark(self, name: str) -> None:
+        """A forward or a backward ended: what ran since belongs to that phase."""
+        if self._recording:
+            self._segments.append((self._current, name))
+            self._current = Counter()
+
+    def take(self) -> dict[str, list[dict[str, Any]]]:
+        """``{phase: [{op, dtype, shapes, flops, bytes, count}]}`` of the recorded step; recording stops."""
+        segments = [*self._segments, (self._current, None)]
+        self._recording = False
+        merged: dict[str, Counter[_Key]] = {}
+        for counts, mark in segments:
+            phase = MARKS.get(mark or "", "after_backward")
+            merged.setdefault(phase, Counter()).update(counts)
+        return {
+            phase: [_entry(key, count) for key, count in sorted(counts.items())]
+            for phase, counts in merged.items()
+            if counts
+        }
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._recording and func.namespace == "aten" and not func.is_view and func._opname not in FREE:
+            self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+        if not inputs and not outputs:
+            return
+        counter = flop_registry.get(func._overloadpacket)
+        flops = _cpu_attention_flops(func, args)
+        if flops is None:
+            flops = int(counter(*args, **kwargs, out_val=out)) if counter is not None else 0
+        nbytes = sum(map(_nbytes, inputs)) + sum(map(_nbytes, outputs))
+        dtype = str((inputs or outputs)[0].dtype).removeprefix("torch.")
+        shapes = tuple(tuple(t.shape) for t in inputs)
+        self._current[(str(func._overloadpacket).removeprefix("aten."), dtype, shapes, flops, nbytes)] += 1
