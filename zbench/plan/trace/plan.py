@@ -41,6 +41,8 @@ REASONS: dict[tuple[str, str], str] = {
     "multiple of the world size; a small parameter's shard is mostly padding at many ranks",
     ("fsdp", "gradients"): "gradients follow the padded parameter shards",
     ("fsdp", "optimizer_state"): "optimizer state follows the padded parameter shards",
+    ("torch_zero", "optimizer_state"): "ZeroRedundancyOptimizer gives whole parameters to ranks (largest first): "
+    "a rank holds at least one whole tensor's state, e.g. the embedding's, however many ranks there are",
 }
 
 
