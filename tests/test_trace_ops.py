@@ -125,3 +125,12 @@ def test_simulate_with_a_calibrated_profile_charges_operators(cli, tmp_path, tra
     assert est["compute_model"] == "operators"
     by_hand = phase_seconds(traced["ddp-False"]["ops"], cal, traced_world=2, world=2, sharded_step=False)
     assert est["compute_s"] == pytest.approx(sum(by_hand.values()), rel=0.02)
+
+
+def test_a_cpu_ranks_share_of_the_cores_against_one_calibrated_thread():
+    from zbench.plan.simulate.calibrated import cpu_share
+
+    assert cpu_share(1, 2, 1) == 2  # one rank runs both cores' threads
+    assert cpu_share(2, 2, 1) == 1
+    assert cpu_share(4, 2, 1) == 0.5  # four ranks on two cores: half a core each
+    assert cpu_share(3, 16, 2) == 2.5  # 5 threads each, calibrated on 2

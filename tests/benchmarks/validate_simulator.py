@@ -1,0 +1,114 @@
+"""The operator-level simulator against measured CPU runs (issue 30, item 3): calibrate, run, calibrate again,
+then predict every case from its trace and each calibration, next to the earlier measured-compute model.
+
+``python -m tests.benchmarks.validate_simulator --out docs/data/validate_simulator.json`` runs the suite below
+(``--models``, ``--worlds``, ``--implementations``, ``--precisions`` narrow or widen it), between two
+``zbench calibrate`` runs on the same machine, and prints per case the measured median step and the paired
+ratio to DDP next to each prediction, then the summary: median and worst |error| of the step time and of
+the ratio to DDP (DDP's own ratio, 1 by definition, left out), per implementation, and Kendall's tau between
+predicted and measured ratios. Nothing is fitted to the runs: the profiles come from microbenchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from scipy.stats import kendalltau
+
+from zbench.plan.simulate.calibrated import CalibratedPrediction, predict_calibrated
+from zbench.plan.simulate.cluster import load
+from zbench.plan.simulate.measured import predict, trace_records
+from zbench.results.store import RunDir
+
+SUITE = """
+name: validate-simulator
+device: cpu
+models: {models}
+implementations: {implementations}
+world_sizes: {worlds}
+precisions: {precisions}
+steps: 8
+warmup_steps: 2
+micro_batch: 4
+seed: 0
+timeout_s: 900
+paired_rounds: 3
+optimizer: {{name: adamw, lr: 0.001, weight_decay: 0.01}}
+"""
+
+
+def zbench(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "zbench", *args], check=False)
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    absolute = [abs(v) for v in values]
+    return {"cases": len(absolute), "median_abs": statistics.median(absolute), "worst_abs": max(absolute)}
+
+
+def summarise(predictions: list[CalibratedPrediction]) -> dict[str, Any]:
+    others = [p for p in predictions if p.implementation != "ddp"]
+    ratios = [p for p in others if p.ratio_error is not None]
+    out: dict[str, Any] = {"step": stats([p.error for p in predictions])}
+    if ratios:
+        out["ratio"] = stats([p.ratio_error for p in ratios if p.ratio_error is not None])
+        tau = kendalltau([p.predicted_ratio for p in ratios], [p.measured_ratio for p in ratios])
+        out["kendall_tau_ratio"] = float(tau.statistic)
+    out["per_implementation"] = {
+        impl: stats([p.error for p in predictions if p.implementation == impl])
+        for impl in sorted({p.implementation for p in predictions})
+    }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="[tiny, small]")
+    parser.add_argument("--worlds", default="[1, 2, 4]")
+    parser.add_argument("--implementations", default="[ddp, fsdp, torch_zero, zero1, zero2, zero3]")
+    parser.add_argument("--precisions", default="[fp32]")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        (tmp / "suite.yaml").write_text(SUITE.format(**vars(args)))
+        zbench("calibrate", "--out", str(tmp / "before.yaml"))
+        zbench("run", str(tmp / "suite.yaml"), "--results", str(tmp / "r"), "--report", str(tmp / "rep"))
+        zbench("calibrate", "--out", str(tmp / "after.yaml"))
+        run = next((tmp / "r").iterdir())
+        records = RunDir(run.parent, run.name).cases()
+        traced = trace_records(records, progress=lambda line: print(line, file=sys.stderr))
+        cores = len(os.sched_getaffinity(0))
+        profiles = {name: load(str(tmp / f"{name}.yaml")) for name in ("before", "after")}
+        results = {name: predict_calibrated(records, traced, p, cores=cores) for name, p in profiles.items()}
+        baseline = predict(records, traced)
+    print("| case | measured ms | before ms | after ms | measured ratio | predicted ratio (before) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    after = {p.case_id: p for p in results["after"]}
+    for p in results["before"]:
+        q = after[p.case_id]
+        ratio = "" if p.measured_ratio is None else f"{p.measured_ratio:.2f}"
+        pred = "" if p.predicted_ratio is None else f"{p.predicted_ratio:.2f}"
+        print(f"| {p.case_id} | {p.measured_s * 1e3:.1f} | {p.predicted_s * 1e3:.1f} ({p.error:+.0%}) | "
+              f"{q.predicted_s * 1e3:.1f} ({q.error:+.0%}) | {ratio} | {pred} |")  # fmt: skip
+    document = {
+        "summary": {name: summarise(preds) for name, preds in results.items()},
+        "baseline_measured_compute": stats([b.error for b in baseline if b.implementation != "ddp"]),
+        "profiles": {name: p.model_dump(mode="json", exclude_none=True) for name, p in profiles.items()},
+        "cases": {name: [p.model_dump() for p in preds] for name, preds in results.items()},
+    }
+    print(json.dumps({"summary": document["summary"], "baseline": document["baseline_measured_compute"]}, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(document, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The simulator against measured runs with nothing taken from the runs: a calibrated profile
+(``zbench calibrate``, made apart from them) and each case's trace predict its step time and its ratio to DDP.
+
+Unlike ``zbench.plan.simulate.measured`` (which takes compute from each group's measured DDP case), compute
+here is the traced operators at the calibrated costs (``zbench.plan.simulate.compute``), communication the
+traced collectives on the profile's link, the optimizer step's operators included. Two errors per case:
+the step time against the measured median, and the predicted ratio to the group's DDP case against the
+measured one (the paired ratio when the run paired, the figure zbench gates on).
+
+On a CPU a rank's share of the cores differs from the calibration's one thread per rank: a world-1 case's
+rank runs ``cores`` threads, and four ranks on two cores share them. Compute is scaled by that share
+(``cpu_share``), as a matrix product's rate scales with its threads; it is the one adjustment made.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, computed_field
+
+from zbench.plan.simulate.cluster import Cluster
+from zbench.plan.simulate.compute import phase_seconds
+from zbench.plan.simulate.step import estimate
+from zbench.plan.trace.plan import TracedRow
+from zbench.results.record import CaseRecord
+
+
+class CalibratedPrediction(BaseModel):
+    case_id: str
+    implementation: str
+    world: int
+    measured_s: float
+    predicted_s: float
+    measured_ratio: float | None
+    predicted_ratio: float | None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def error(self) -> float:
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def ratio_error(self) -> float | None:
+        if self.measured_ratio is None or self.predicted_ratio is None:
+            return None
+        return (self.predicted_ratio - self.measured_ratio) / self.measured_ratio
+
+
+def cpu_share(world: int, cores: int, threads_per_rank: int) -> float:
+    """A CPU rank's cores relative to the calibration's ``threads_per_rank``: ``cores // world`` threads each
+    (at least one), and never more than ``cores / world`` cores each when ranks outnumber cores."""
+    threads = max(1, cores // world)
+    return min(threads, cores / world) / threads_per_rank
+
+
+def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> float:
+    """One traced case's step time at its own world size on ``cluster`` (calibrated)."""
+    cal = cluster.calibration
+    if cal is None:
+        raise ValueError(f"profile {cluster.name} is not calibrated: no operator costs to charge")
+    case, world = row.case, row.case.world_size
+    compute = phase_seconds(row.trace.ops, cal, traced_world=world, world=world, sharded_step=case.stage >= 1)
+    if cal.device == "cpu":
+        share = cpu_share(world, cores, cal.threads_per_rank)
+        compute = {phase: seconds / share for phase, seconds in compute.items()}
+    tokens = case.micro_batch * case.grad_accum * case.seq_len
+    return estimate(
+        row.trace.phases, cluster=cluster, world=world, flops_per_step=0.0, params=0, stage=case.stage,
+        offload=case.offload, checkpointing=case.activation_checkpointing, tokens_per_step=tokens,
+        phase_compute=compute,
+    ).step_s  # fmt: skip
+
+
+def predict_calibrated(
+    records: list[CaseRecord], traced: dict[str, TracedRow], cluster: Cluster, *, cores: int
+) -> list[CalibratedPrediction]:
+    """Every ok, traced case; its ratio where its group's DDP reference is ok and traced too."""
+    by_id = {r.case_id: r for r in records}
+    steps = {
+        case_id: predict_step(row, cluster, cores=cores) for case_id, row in traced.items() if row.trace.error is None
+    }
+    out = []
+    for record in records:
+        predicted = steps.get(record.case_id)
+        measured = record.summary.step_time_median_s if record.summary else None
+        if record.status != "ok" or predicted is None or not measured:
+            continue
+        ref_id = record.equivalence.reference_case if record.equivalence else None
+        ref = by_id.get(ref_id or "")
+        ref_step = steps.get(ref_id or "")
+        predicted_ratio = predicted / ref_step if ref_step and ref is not None and ref.status == "ok" else None
+        out.append(
+            CalibratedPrediction(
+                case_id=record.case_id, implementation=record.config.implementation, world=record.config.world_size,
+                measured_s=measured, predicted_s=predicted, measured_ratio=record.ratio_to_ddp,
+                predicted_ratio=predicted_ratio,
+            )
+        )  # fmt: skip
+    return out
