@@ -158,3 +158,28 @@ def test_env_reports_the_gpus_and_nvml():
     info = json.loads(r.stdout)
     assert info["gpus"] and info["gpu_count"] >= 1 and info["cuda_available"]
     assert info["nvml"]["available"] and info["nvml"]["driver"] and info["nvml"]["gpus"], info["nvml"]
+
+
+def test_calibrate_on_this_gpu_and_against_the_datasheet_profile(tmp_path):
+    """``zbench calibrate`` on the GPU (CUDA events, NCCL where there are two GPUs, pinned and pageable copies),
+    with the links of a datasheet profile where one GPU cannot measure them, compared figure by figure."""
+    from zbench.plan.simulate.cluster import load
+
+    out = tmp_path / "gpu.yaml"
+    base = "h100-sxm"
+    r = zbench(
+        "calibrate", "--quick", "--base", base, "--against", base, "--nvme-dir", str(tmp_path), "--out", str(out)
+    )
+    assert r.returncode == 0, r.stderr
+    profile = load(str(out))
+    cal = profile.calibration
+    assert cal is not None and cal.device == torch.cuda.get_device_name(0) and cal.backend == "nccl"
+    assert {"h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable"} <= set(cal.copies_gb_s)
+    assert {p.dtype for p in cal.matmul} >= {"bfloat16", "float32"}
+    assert profile.peak_tflops == max(p.tflops for p in cal.matmul if p.dtype == "bfloat16")
+    assert 0 < profile.memory_gib <= 200 and cal.op_call_us is not None and cal.op_call_us > 0
+    if torch.cuda.device_count() > 1:
+        assert {c.op for c in cal.collectives} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    else:
+        assert cal.collectives == [] and "base profile" in profile.sources["intra_node"]
+    assert f"{base} -> this calibration" in r.stderr
