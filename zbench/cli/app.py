@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 import zbench
-from zbench.errors import UsageError
+from zbench.errors import OneLineError
 
 app = typer.Typer(
     add_completion=False,
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
         code = command.main(args=argv, prog_name="zbench", standalone_mode=False)
-    except UsageError as exc:
+    except OneLineError as exc:
         print(f"zbench: error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:

@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from zbench.errors import UsageError
+from zbench.errors import OneLineError, UsageError
+
+#: A collective's fit off by more than this (median relative error) is worth a note: the machine was busy.
+NOISY_FIT = 0.2
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -52,7 +56,11 @@ AgainstOpt = Annotated[
     ),
 ]
 QuickOpt = Annotated[
-    bool, typer.Option("--quick", help="Smaller probes and fewer repeats: a rough profile in about 20 s on a CPU.")
+    bool,
+    typer.Option(
+        "--quick",
+        help="Fewer repeats (and on a CPU smaller probes): a rough profile in about 10 s on a CPU.",
+    ),
 ]
 
 
@@ -70,27 +78,28 @@ def calibrate_cmd(
     hooks, the disk, the host optimizer) and write a cluster profile. At most a few minutes; progress on
     stderr."""
     from zbench.cli.options import stderr
+    from zbench.plan.calibrate.fit import FitError
     from zbench.plan.calibrate.machine import Machine, calibrate
     from zbench.plan.calibrate.profile import derive, to_yaml
-    from zbench.plan.simulate.cluster import ClusterError, load
 
-    disk = nvme_dir or Path(tempfile.gettempdir())
-    if not disk.is_dir():
-        raise UsageError(f"--nvme-dir {disk}: not a directory")
-    try:
-        base_profile = load(base) if base else None
-        earlier = load(against) if against else None
-    except ClusterError as exc:
-        raise UsageError(str(exc)) from None
+    disk = _writable_paths(nvme_dir, out)
+    base_profile, earlier = _profiles(base, against)
     machine = Machine.here(ranks)
     if machine.ranks == 1 and base_profile is None:  # refused before minutes of measuring, not after
         raise UsageError("one rank here: no collective can be measured; give --base PROFILE for the links")
     console = stderr()
     console.print(f"calibrating {machine.name} x {machine.ranks} ({machine.backend})")
-    measured = calibrate(machine, disk_dir=disk, quick=quick, progress=console.print)
+    try:
+        measured = calibrate(machine, disk_dir=disk, quick=quick, progress=console.print)
+    except FitError as exc:
+        raise OneLineError(f"calibration failed: {exc} (a busy or noisy machine: run it again)") from None
+    for curve in measured.collectives:
+        if curve.fit_error > NOISY_FIT:
+            console.print(f"note: {curve.op}'s latency-bandwidth fit is off by {curve.fit_error:.0%} (median): noisy")
+    per_node = base_profile.gpus_per_node if base_profile and not measured.collectives else machine.per_node
     profile = derive(
         measured, name=name or f"calibrated-{measured.host}", gpu=machine.name, memory_gib=machine.memory_gib,
-        ranks_per_node=machine.ranks, base=base_profile,
+        ranks_per_node=per_node, base=base_profile,
     )  # fmt: skip
     if earlier is not None:
         console.print(_comparison(earlier, profile))
@@ -102,6 +111,28 @@ def calibrate_cmd(
 
     atomic_write_bytes(out, (text + "\n").encode())
     console.print(f"wrote {out} ({measured.seconds:.0f} s): use it as `zbench plan --simulate {out}`", soft_wrap=True)
+
+
+def _writable_paths(nvme_dir: Path | None, out: Path | None) -> Path:
+    """The disk probe's directory, after checking it and ``--out``'s folder can be written: before minutes of
+    measuring, not after."""
+    disk = nvme_dir or Path(tempfile.gettempdir())
+    if not disk.is_dir():
+        raise UsageError(f"--nvme-dir {disk}: not a directory")
+    if not os.access(disk, os.W_OK):
+        raise UsageError(f"--nvme-dir {disk}: not writable")
+    if out is not None and not os.access(out.parent if str(out.parent) else Path("."), os.W_OK):
+        raise UsageError(f"--out {out}: its directory does not exist or is not writable")
+    return disk
+
+
+def _profiles(base: str | None, against: str | None) -> tuple[Cluster | None, Cluster | None]:
+    from zbench.plan.simulate.cluster import ClusterError, load
+
+    try:
+        return (load(base) if base else None), (load(against) if against else None)
+    except ClusterError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _comparison(earlier: Cluster, now: Cluster) -> Table:

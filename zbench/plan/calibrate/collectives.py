@@ -2,8 +2,9 @@
 
 The ranks are spawned processes (``torch.multiprocessing``) joined over TCP on the loopback interface: gloo
 with one CPU thread each (a CPU rank is one core, as in a CPU run of zbench), or NCCL with one GPU each.
-Sizes grow by factors of 4 from 4 bytes to the device's largest message; each is timed on rank 0 as batches
-of back-to-back calls from a barrier (``_per_call_seconds``), then fitted (``zbench.plan.calibrate.fit``).
+Sizes grow by factors of 4 from 4 bytes to the device's largest message; each is timed as batches of
+back-to-back calls from a barrier, the slowest rank's time of each (``_per_call_seconds``), then fitted
+(``zbench.plan.calibrate.fit``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def _rank(rank: int, ranks: int, port: int, backend: str, quick: bool, out: str)
     for op in OPS:
         points = []
         for size in message_sizes(device.type, quick):
-            buf = torch.ones(max(size // 4, ranks), device=device)
+            # a multiple of the ranks: a reduce-scatter's input is its output times the ranks
+            buf = torch.ones(max(size // 4 // ranks * ranks, ranks), device=device)
             seconds = _per_call_seconds(op, buf, ranks, *batches(size, quick))
             points.append((ledger_bytes(op, buf.numel() * 4, ranks), seconds))
         results[op] = points
@@ -87,22 +89,27 @@ def _rank(rank: int, ranks: int, port: int, backend: str, quick: bool, out: str)
     dist.destroy_process_group()
 
 
-def _per_call_seconds(op: str, buf: torch.Tensor, ranks: int, batches: int, calls: int) -> float:
-    """The median over ``batches`` of one call's share of ``calls`` back-to-back calls started from a barrier.
+def _per_call_seconds(op: str, buf: torch.Tensor, ranks: int, n_batches: int, calls: int) -> float:
+    """The median over ``n_batches`` of one call's share of ``calls`` back-to-back calls started from a barrier,
+    each batch taking the slowest rank's time.
 
     Back to back, as nccl-tests times them: a rank that leaves the barrier late delays the first call of a
     batch only, not every call, and no barrier's own time has to be taken off (on a loaded host the barrier
-    varies by more than a small message takes).
+    varies by more than a small message takes). The slowest rank, because a broadcast's source (and a ring's
+    first sender) may return once its sends are queued, before the others have what it sent: one extra
+    all-reduce per batch, the same on every rank.
     """
     times = []
-    for _ in range(batches):
+    for _ in range(n_batches):
         dist.barrier()
         _synchronize(buf.device)
         start = time.perf_counter()
         for _ in range(calls):
             _call(op, buf, ranks)
         _synchronize(buf.device)
-        times.append((time.perf_counter() - start) / calls)
+        elapsed = torch.tensor([(time.perf_counter() - start) / calls], device=buf.device, dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed.item()))
     return statistics.median(times)
 
 

@@ -33,6 +33,8 @@ class Machine:
     ranks: int
     name: str
     memory_gib: float
+    per_node: int
+    """GPUs in this node (every visible one, however many were measured); on a CPU the ranks measured."""
 
     @property
     def backend(self) -> str:
@@ -44,9 +46,11 @@ class Machine:
         if torch.cuda.is_available():
             count = torch.cuda.device_count()
             props = torch.cuda.get_device_properties(0)
-            return Machine(torch.device("cuda", 0), min(ranks or count, count), props.name, props.total_memory / 2**30)
+            return Machine(
+                torch.device("cuda", 0), min(ranks or count, count), props.name, props.total_memory / 2**30, count
+            )
         n = ranks or min(kernels.cores(), 4)
-        return Machine(torch.device("cpu"), n, "CPU core (fp32)", psutil.virtual_memory().total / 2**30 / n)
+        return Machine(torch.device("cpu"), n, "CPU core (fp32)", psutil.virtual_memory().total / 2**30 / n, n)
 
 
 def calibrate(machine: Machine, *, disk_dir: Path | None, quick: bool, progress: Callable[[str], None]) -> Calibration:

@@ -5,11 +5,13 @@ Derivations (each written into the profile's ``sources``):
 
 - ``peak_tflops``: the best measured matrix product at the training precision (bf16 on a GPU, fp32 on a CPU);
 - ``efficiency``: the median of the transformer-layer products over that peak. It is an upper bound on a
-  step's share of the peak (attention, normalisation and elementwise work run slower than these products),
-  the figure the per-operator model of issue 30 will replace;
+  step's share of the peak (attention, normalisation and elementwise work run slower than these products);
+  only the FLOPs-over-peak model reads it: with a calibrated profile the simulator charges each traced
+  operator from the tables instead (``zbench.plan.simulate.compute``);
 - links: the collectives' fits. The bus bandwidth is the median of the four collectives' fitted bandwidths,
-  the per-hop latency the median of each fit's latency over its hops (``zbench.plan.calibrate.fit.hops``);
-  one host is one node, so a link between nodes is only known from a base profile (``--base``);
+  the per-hop latency the median of each fit's latency over the hops the step model charges that
+  collective (``zbench.plan.calibrate.fit.hops``), so that the model gives the measured latency back; one
+  host is one node, so a link between nodes is only known from a base profile (``--base``);
 - ``pcie_gb_s``: pinned host-to-device and device-to-host copies, the slower; on a CPU a host memory copy;
 - ``nvme_gb_s_per_node``: the disk probe's slower direction;
 - ``host_adam_params_per_s``: torch's AdamW on a rank's share of the host cores.

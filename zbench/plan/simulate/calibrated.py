@@ -14,8 +14,11 @@ rank runs ``cores`` threads, and four ranks on two cores share them. Compute is 
 
 from __future__ import annotations
 
+import os
+
 from pydantic import BaseModel, computed_field
 
+from zbench.cases.model_source import model_info
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.compute import phase_seconds
 from zbench.plan.simulate.step import estimate
@@ -46,9 +49,10 @@ class CalibratedPrediction(BaseModel):
 
 
 def cpu_share(world: int, cores: int, threads_per_rank: int) -> float:
-    """A CPU rank's cores relative to the calibration's ``threads_per_rank``: ``cores // world`` threads each
-    (at least one), and never more than ``cores / world`` cores each when ranks outnumber cores."""
-    threads = max(1, cores // world)
+    """A CPU rank's cores relative to the calibration's ``threads_per_rank``: the threads a CPU run gives each
+    rank (``zbench.rank.worker``: ``$ZBENCH_THREADS_PER_RANK``, else ``cores // world``, at least one), and
+    never more than ``cores / world`` cores each when ranks outnumber cores."""
+    threads = int(os.environ.get("ZBENCH_THREADS_PER_RANK", max(1, cores // world)))
     return min(threads, cores / world) / threads_per_rank
 
 
@@ -58,13 +62,16 @@ def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> float:
     if cal is None:
         raise ValueError(f"profile {cluster.name} is not calibrated: no operator costs to charge")
     case, world = row.case, row.case.world_size
-    compute = phase_seconds(row.trace.ops, cal, traced_world=world, world=world, sharded_step=case.stage >= 1)
+    compute = phase_seconds(
+        row.trace.ops, cal, traced_world=world, world=world, sharded_step=case.stage >= 1, offload=case.offload
+    )
     if cal.device == "cpu":
         share = cpu_share(world, cores, cal.threads_per_rank)
         compute = {phase: seconds / share for phase, seconds in compute.items()}
     tokens = case.micro_batch * case.grad_accum * case.seq_len
+    params = model_info(case.model).parameters
     return estimate(
-        row.trace.phases, cluster=cluster, world=world, flops_per_step=0.0, params=0, stage=case.stage,
+        row.trace.phases, cluster=cluster, world=world, flops_per_step=0.0, params=params, stage=case.stage,
         offload=case.offload, checkpointing=case.activation_checkpointing, tokens_per_step=tokens,
         phase_compute=compute,
     ).step_s  # fmt: skip

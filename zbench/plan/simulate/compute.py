@@ -10,8 +10,12 @@ Each operator the trace recorded (``zbench.plan.trace.ops``) is charged:
 - every call, its dispatch cost (``op_call_us``): on a CPU added to the work (the same thread does both), on a
   GPU the larger of the two (the host launches ahead while the device works).
 
-The optimizer step (``after_backward``) of a stage that shards it shrinks with the world size: the trace's
-ops at ``traced_world`` ranks are scaled by ``traced_world / world``.
+The optimizer step (``after_backward``) of a stage that shards it shrinks with the world size: each of the
+trace's operators at ``traced_world`` ranks keeps its calls but has its work scaled by ``traced_world /
+world``. An approximation: a few of that phase's operators do not shrink (ZeRO-1/2's copies into the full
+parameters, torch_zero's whole tensors). The trace runs on fake CPU tensors, so a GPU profile is charged the
+CPU code paths' operators (e.g. AdamW's per-tensor loop rather than a fused kernel, the CPU attention
+kernel): the same FLOPs, more calls.
 """
 
 from __future__ import annotations
@@ -50,22 +54,38 @@ def memory_bandwidth(cal: Calibration) -> float:
     return statistics.median(b.gb_s for b in cal.memory_bound) * 1e9
 
 
-def op_seconds(entry: dict[str, Any], cal: Calibration, *, on_gpu: bool) -> float:
-    """One traced entry (``count`` identical calls) charged as the module docstring says."""
+def op_seconds(entry: dict[str, Any], cal: Calibration, *, on_gpu: bool, work_scale: float = 1.0) -> float:
+    """One traced entry (``count`` identical calls) charged as the module docstring says; ``work_scale`` scales
+    the work (FLOPs or bytes) of each call, never its dispatch cost."""
     if entry["flops"] > 0:
         work = entry["flops"] / flop_rate(cal, entry["dtype"], entry["flops"])
     else:
         work = entry["bytes"] / memory_bandwidth(cal)
+    work *= work_scale
     call = (cal.op_call_us or 0.0) * 1e-6
     return entry["count"] * (max(work, call) if on_gpu else work + call)
 
 
 def phase_seconds(
-    ops: dict[str, list[dict[str, Any]]], cal: Calibration, *, traced_world: int, world: int, sharded_step: bool
+    ops: dict[str, list[dict[str, Any]]],
+    cal: Calibration,
+    *,
+    traced_world: int,
+    world: int,
+    sharded_step: bool,
+    offload: str = "none",
 ) -> dict[str, float]:
-    """Seconds of compute per phase of one rank's step at ``world`` ranks."""
+    """Seconds of compute per phase of one rank's step at ``world`` ranks.
+
+    With offload the optimizer step runs on the host, which the offload model charges (host AdamW, PCIe,
+    NVMe; ``zbench.plan.simulate.step.offload_seconds``): its traced operators are left out here, not
+    charged twice (on fake CPU tensors host and device operators cannot be told apart).
+    """
     on_gpu = cal.device != "cpu"
-    out = {phase: sum(op_seconds(e, cal, on_gpu=on_gpu) for e in entries) for phase, entries in ops.items()}
-    if sharded_step and "after_backward" in out:
-        out["after_backward"] *= traced_world / world
+    out = {}
+    for phase, entries in ops.items():
+        if phase == "after_backward" and offload != "none":
+            continue
+        scale = traced_world / world if phase == "after_backward" and sharded_step else 1.0
+        out[phase] = sum(op_seconds(e, cal, on_gpu=on_gpu, work_scale=scale) for e in entries)
     return out

@@ -47,7 +47,7 @@ def operator_compute(row: TracedRow, cluster: Cluster, world: int) -> dict[str, 
         return None
     return phase_seconds(
         row.trace.ops, cluster.calibration, traced_world=row.case.world_size, world=world,
-        sharded_step=row.case.stage >= 1,
+        sharded_step=row.case.stage >= 1, offload=row.case.offload,
     )  # fmt: skip
 
 

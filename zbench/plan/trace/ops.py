@@ -101,14 +101,43 @@ class OpLedger(TorchDispatchMode):
         return out
 
     def _record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
-        inputs, outputs = _tensors((args, kwargs)), _tensors(out)
-        if not inputs and not outputs:
+        read, written, first = _moved_bytes(func, args, kwargs, out)
+        if first is None:
             return
         counter = flop_registry.get(func._overloadpacket)
         flops = _cpu_attention_flops(func, args)
         if flops is None:
             flops = int(counter(*args, **kwargs, out_val=out)) if counter is not None else 0
-        nbytes = sum(map(_nbytes, inputs)) + sum(map(_nbytes, outputs))
-        dtype = str((inputs or outputs)[0].dtype).removeprefix("torch.")
-        shapes = tuple(tuple(t.shape) for t in inputs)
-        self._current[(str(func._overloadpacket).removeprefix("aten."), dtype, shapes, flops, nbytes)] += 1
+        dtype = str(first.dtype).removeprefix("torch.")
+        shapes = tuple(tuple(t.shape) for t in _tensors((args, kwargs)))
+        self._current[(str(func._overloadpacket).removeprefix("aten."), dtype, shapes, flops, read + written)] += 1
+
+
+def _moved_bytes(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> tuple[int, int, torch.Tensor | None]:
+    """``(bytes read, bytes written, the first tensor)`` of one call, from its schema: an argument marked as
+    written (``Tensor(a!)``: in place, or ``out=``) is written, and read too unless it is an ``out=``
+    argument; a returned tensor is written unless the schema says it aliases an argument (counted there).
+    So ``add_`` moves self twice and other once, ``add(out=)`` reads two and writes one, and
+    ``_foreach_add_`` writes its list, which it does not return."""
+    schema = func._schema
+    named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
+    read = written = 0
+    first: torch.Tensor | None = None
+    for arg in schema.arguments:
+        tensors = _tensors(named.get(arg.name))
+        if not tensors:
+            continue
+        first = tensors[0] if first is None else first
+        size = sum(map(_nbytes, tensors))
+        is_write = arg.alias_info is not None and arg.alias_info.is_write
+        written += size if is_write else 0
+        read += 0 if (is_write and arg.kwarg_only) else size
+    fresh = [t for r, t in zip(schema.returns, _returned(out), strict=False) if r.alias_info is None]
+    written += sum(map(_nbytes, _tensors(fresh)))
+    if first is None and _tensors(fresh):
+        first = _tensors(fresh)[0]
+    return read, written, first
+
+
+def _returned(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, tuple | list) and not isinstance(out, torch.Tensor) else [out]
