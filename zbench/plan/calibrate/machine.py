@@ -68,7 +68,7 @@ def calibrate(machine: Machine, *, disk_dir: Path | None, quick: bool, progress:
     matmul = kernels.matmul_table(timer, sizes)
     step(2, "memory-bound operators and host <-> device copies")
     memory_bound, copies = kernels.memory_bound(timer, sizes), kernels.copies(timer, sizes)
-    step(3, "operator and module-hook call costs, the host optimizer step")
+    step(3, "per-operator cost inside a training step, module hooks, the host optimizer step")
     hook_us, op_us, adam = kernels.hook_call_us(), kernels.op_call_us(timer), kernels.host_adam_params_per_s(threads)
     curves: list = []
     issue_s = None

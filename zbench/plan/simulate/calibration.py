@@ -77,7 +77,7 @@ class Calibration(_Frozen):
     )
     hook_call_us: float = Field(ge=0, description="cost of one module forward hook per call")
     op_call_us: float | None = Field(
-        default=None, ge=0, description="dispatch cost of one operator call (a one-element add), host time"
+        default=None, ge=0, description="cost of one operator of negligible work inside a training step, host time"
     )
     copies_gb_s: dict[str, float] = Field(
         description="host <-> device copies (h2d/d2h, pinned/pageable); on a CPU a host memory copy"
