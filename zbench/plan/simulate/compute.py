@@ -7,8 +7,9 @@ Each operator the trace recorded (``zbench.plan.trace.ops``) is charged:
   nearest point's rate beyond them; the training dtype's table where its own was not measured);
 - otherwise: the bytes it reads and writes at the measured memory bandwidth (the median of ``copy`` and
   ``add``);
-- every call, its dispatch cost (``op_call_us``): on a CPU added to the work (the same thread does both), on a
-  GPU the larger of the two (the host launches ahead while the device works).
+- every call, the calibrated cost of an operator of negligible work inside a training step (``op_call_us``:
+  autograd, module calls, the optimizer's loop): on a CPU added to the work (the same thread does both), on
+  a GPU the larger of the two (the host launches ahead while the device works).
 
 The optimizer step (``after_backward``) of a stage that shards it shrinks with the world size: each of the
 trace's operators at ``traced_world`` ranks keeps its calls but has its work scaled by ``traced_world /
