@@ -88,7 +88,8 @@ SimulateOpt = Annotated[
         metavar="CLUSTER",
         help="Trace (as --trace does), then predict the step time, tokens/s per GPU, MFU and exposed "
         "communication on CLUSTER (a built-in profile: h100-sxm, a100-sxm, rtx4090-pcie, cpu-2core; or a "
-        "YAML file) at every --scale.",
+        "YAML file, e.g. one `zbench calibrate` wrote, whose measured tables charge each traced operator) at "
+        "every --scale.",
     ),
 ]
 ScaleOpt = Annotated[
