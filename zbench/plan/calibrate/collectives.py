@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zbench.measure.timing import synchronize
 from zbench.plan.calibrate.fit import fit_alpha_beta
 from zbench.plan.simulate.calibration import CollectiveCurve
 
@@ -102,20 +103,15 @@ def _per_call_seconds(op: str, buf: torch.Tensor, ranks: int, n_batches: int, ca
     times = []
     for _ in range(n_batches):
         dist.barrier()
-        _synchronize(buf.device)
+        synchronize(buf.device)
         start = time.perf_counter()
         for _ in range(calls):
             _call(op, buf, ranks)
-        _synchronize(buf.device)
+        synchronize(buf.device)
         elapsed = torch.tensor([(time.perf_counter() - start) / calls], device=buf.device, dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed.item()))
     return statistics.median(times)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _issue_seconds(device: torch.device, ranks: int, calls: int = 200) -> float:

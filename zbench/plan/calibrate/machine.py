@@ -67,7 +67,8 @@ def calibrate(machine: Machine, *, disk_dir: Path | None, quick: bool, progress:
     step(1, f"matrix products on {machine.device.type}: {', '.join(map(kernels.dtype_name, sizes.dtypes))}")
     matmul = kernels.matmul_table(timer, sizes)
     step(2, "memory-bound operators and host <-> device copies")
-    memory_bound, copies = kernels.memory_bound(timer, sizes), kernels.copies(timer, sizes)
+    memory_bound = kernels.memory_bound(timer, sizes)
+    copies = kernels.copies(timer, sizes, memory_bound)
     step(3, "per-operator cost inside a training step, module hooks, the host optimizer step")
     hook_us, op_us, adam = kernels.hook_call_us(), kernels.op_call_us(timer), kernels.host_adam_params_per_s(threads)
     curves: list = []

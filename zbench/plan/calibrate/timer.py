@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zbench.measure.timing import synchronize
+
 
 @dataclass(frozen=True)
 class Timer:
@@ -25,7 +27,7 @@ class Timer:
     def median_s(self, fn: Callable[[], object]) -> float:
         """Median seconds of one call of ``fn`` (device work included)."""
         fn()
-        self._sync()
+        synchronize(self.device)
         times: list[float] = []
         started = time.perf_counter()
         while len(times) < self.min_repeats or (
@@ -45,7 +47,3 @@ class Timer:
         begin = time.perf_counter()
         fn()
         return time.perf_counter() - begin
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)

@@ -16,29 +16,23 @@ from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, computed_field
+from pydantic import computed_field
 
 from zbench.cases.model_source import model_info
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.compute import phase_seconds
-from zbench.plan.simulate.step import estimate
+from zbench.plan.simulate.run_file import Prediction
+from zbench.plan.simulate.step import StepEstimate, estimate
 from zbench.plan.trace.plan import TracedRow
 from zbench.results.record import CaseRecord
 
 
-class CalibratedPrediction(BaseModel):
-    case_id: str
-    implementation: str
-    world: int
-    measured_s: float
-    predicted_s: float
+class CalibratedPrediction(Prediction):
+    """A case's step prediction (``comm_s`` the exposed communication), with its ratio to DDP next to the
+    measured one."""
+
     measured_ratio: float | None
     predicted_ratio: float | None
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def error(self) -> float:
-        return (self.predicted_s - self.measured_s) / self.measured_s
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -56,7 +50,7 @@ def cpu_share(world: int, cores: int, threads_per_rank: int) -> float:
     return min(threads, cores / world) / threads_per_rank
 
 
-def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> float:
+def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> StepEstimate:
     """One traced case's step time at its own world size on ``cluster`` (calibrated)."""
     cal = cluster.calibration
     if cal is None:
@@ -74,7 +68,7 @@ def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> float:
         row.trace.phases, cluster=cluster, world=world, flops_per_step=0.0, params=params, stage=case.stage,
         offload=case.offload, checkpointing=case.activation_checkpointing, tokens_per_step=tokens,
         phase_compute=compute,
-    ).step_s  # fmt: skip
+    )  # fmt: skip
 
 
 def predict_calibrated(
@@ -87,19 +81,19 @@ def predict_calibrated(
     }
     out = []
     for record in records:
-        predicted = steps.get(record.case_id)
+        mine = steps.get(record.case_id)
         measured = record.summary.step_time_median_s if record.summary else None
-        if record.status != "ok" or predicted is None or not measured:
+        if record.status != "ok" or mine is None or not measured:
             continue
         ref_id = record.equivalence.reference_case if record.equivalence else None
-        ref = by_id.get(ref_id or "")
-        ref_step = steps.get(ref_id or "")
-        predicted_ratio = predicted / ref_step if ref_step and ref is not None and ref.status == "ok" else None
+        ref, ref_step = by_id.get(ref_id or ""), steps.get(ref_id or "")
+        ok_ref = ref_step is not None and ref is not None and ref.status == "ok" and ref_step.step_s > 0
         out.append(
             CalibratedPrediction(
                 case_id=record.case_id, implementation=record.config.implementation, world=record.config.world_size,
-                measured_s=measured, predicted_s=predicted, measured_ratio=record.ratio_to_ddp,
-                predicted_ratio=predicted_ratio,
+                measured_s=measured, predicted_s=mine.step_s, comm_s=mine.exposed_comm_s,
+                measured_ratio=record.ratio_to_ddp,
+                predicted_ratio=mine.step_s / ref_step.step_s if ok_ref and ref_step is not None else None,
             )
         )  # fmt: skip
     return out
