@@ -107,6 +107,7 @@ class FSDP:
         precisions=frozenset({"fp32", "bf16"}),
         offload=frozenset({"none", "optimizer+params"}),
         offload_keeps_master=False,
+        shards_parameters_by_rows=True,
     )
 
     def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int:

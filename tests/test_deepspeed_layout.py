@@ -95,16 +95,18 @@ def test_a_meta_tensor_holds_no_memory():
     assert tensor_bytes([real, stand_in], compute_device=torch.device("cpu"))["device"] == 4000
 
 
-def test_a_presets_parameter_sizes_are_its_modules():
-    """The layout and DeepSpeed's declared traffic read parameter sizes off the preset; they must be the module's."""
+def test_a_presets_parameter_shapes_are_its_modules():
+    """The layouts and DeepSpeed's declared traffic read parameter shapes and sizes off the preset; they must be the
+    module's."""
     from zbench.cases.models import GPT
     from zbench.presets import PRESETS
 
     for name, cfg in PRESETS.items():
         with torch.device("meta"):
             model = GPT(cfg)
-        distinct = {id(p): p.numel() for p in model.parameters()}
-        assert cfg.parameter_sizes == tuple(distinct.values()), name
+        distinct = {id(p): p for p in model.parameters()}
+        assert cfg.parameter_shapes == tuple(tuple(p.shape) for p in distinct.values()), name
+        assert cfg.parameter_sizes == tuple(p.numel() for p in distinct.values()), name
         assert sum(cfg.parameter_sizes) == cfg.num_parameters, name
 
 

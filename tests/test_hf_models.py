@@ -24,13 +24,14 @@ FAST_COUNTS = ("llama-3.1-8b", "qwen2.5-7b-mini", "mixtral-8x7b-v0.1-mini")
     "name", [pytest.param(n, marks=() if n in FAST_COUNTS else pytest.mark.heavy) for n in hf_models.published()]
 )
 def test_counts_and_sizes_are_what_transformers_builds(name):
-    """Every parameter's size, in order, computed from the config without transformers, equals what transformers
-    5.23 builds (on ``meta``: no memory); so do ``zbench list``'s count and the layouts that use the sizes."""
+    """Every parameter's shape and size, in order, computed from the config without transformers, equals what
+    transformers 5.23 builds (on ``meta``: no memory); so do ``zbench list``'s count and the layouts that use them."""
     pytest.importorskip("transformers")
     from zbench.cases.model_source import build
 
     model = build(name, seed=0, device="meta")
     built = tuple(p.numel() for p in model.parameters())
+    assert tuple(tuple(p.shape) for p in model.parameters()) == hf_models.arch(name).parameter_shapes
     assert built == hf_models.arch(name).parameter_sizes
     assert model_info(name).parameters == sum(built)
     assert len(model.blocks) == hf_models.arch(name).layers
@@ -209,3 +210,40 @@ def test_plan_traces_a_published_architecture_and_its_states_are_the_formulas():
         assert traced["error"] is None, traced["error"]
         for category, where in formula.items():
             assert traced["state_bytes"][category]["device"] == pytest.approx(where["device"], rel=0.01), category
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2s_first_rank_holds_the_odd_rows_and_the_formulas_say_so(world):
+    """FSDP2 splits every parameter by rows, ``ceil(rows / N)`` to each rank in turn: the Mixtral mini's fused
+    experts (8 rows) at world 3 give rank 0 three rows of each and rank 2 two, 29,102 elements over Ψ/3 on rank 0.
+    The model-state check holds FSDP2 to its first (fullest) rank's share, from each parameter's shape; with Ψ/N it
+    called a correct FSDP2 232,816 B fat (the minis matrix of issue 29). Read off FSDP2 itself, built on a fake
+    process group (no collective runs while it shards)."""
+    pytest.importorskip("transformers")
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tests.test_units import config, expand
+    from zbench.cases.formulas import placement_for
+    from zbench.cases.model_source import build
+    from zbench.implementations.fsdp import FSDPEngine
+    from zbench.protocol import TrainSpec
+
+    name = "mixtral-8x7b-v0.1-mini"
+    held = []
+    for rank in (0, world - 1):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            engine = FSDPEngine(build(name, seed=0), TrainSpec(device=torch.device("cpu"), stage=3), dist.group.WORLD)
+            held.append(sum(p.to_local().numel() for p in engine.model.parameters()))
+        finally:
+            dist.destroy_process_group()
+    shape = model_info(name).shape
+    assert held[0] == shape.row_shard_elements(world) == max(held)
+    assert (held[0] - shape.num_parameters / world > 29_000) is (world == 3)  # uneven only where 8 rows do not split
+
+    (case,) = [c for c in expand(config(models=[name], implementations=["fsdp"], world_sizes=[world])) if c.stage == 3]
+    layout = placement_for(case)
+    assert layout["parameters"]["device"] == layout["gradients"]["device"] == 4 * held[0]
+    assert layout["optimizer_state"]["device"] == 8 * held[0]  # AdamW's two moments, each the local shard's shape

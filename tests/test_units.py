@@ -40,6 +40,7 @@ def test_every_kind_of_model_describes_its_shape_as_built(name):
     model = build(name, seed=0, device="meta")
     unique = {id(p): p for p in model.parameters()}
     assert shape.parameter_sizes == tuple(p.numel() for p in unique.values())
+    assert shape.parameter_shapes == tuple(tuple(p.shape) for p in unique.values())
     own = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
     shared = 0
     if name.startswith("tests."):  # blocks 1 and 2 share a mixing weight: neither holds it alone

@@ -6,6 +6,7 @@ these without building anything. ``zbench.cases.models`` builds the module from 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -67,14 +68,20 @@ class GPTConfig:
         return max(self.block_parameters, self.embedding_parameters, self.d_model * self.vocab)
 
     @property
-    def parameter_sizes(self) -> tuple[int, ...]:
-        """Elements of each distinct parameter of ``GPT(self)``, in ``parameters()`` order (a tied head is the
+    def parameter_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shape of each distinct parameter of ``GPT(self)``, in ``parameters()`` order (a tied head is the
         embedding: it counts once, there)."""
         d, h = self.d_model, self.ffn_hidden
-        mlp = (h * d, h, d * h, d)  # fc, out (each expert's, in order)
-        block = (d, d, 3 * d * d, 3 * d, d * d, d, d, d, *mlp * max(self.experts, 1))  # ln1, qkv, proj, ln2, MLP
-        head = () if self.tie_embeddings else (self.vocab * d,)
-        return (self.vocab * d, self.seq * d, *block * self.layers, d, d, *head)
+        mlp = ((h, d), (h,), (d, h), (d,))  # fc, out (each expert's, in order)
+        attention = ((3 * d, d), (3 * d,), (d, d), (d,))  # qkv, proj
+        block = ((d,), (d,), *attention, (d,), (d,), *mlp * max(self.experts, 1))  # ln1, attention, ln2, MLP
+        head = () if self.tie_embeddings else ((self.vocab, d),)
+        return ((self.vocab, d), (self.seq, d), *block * self.layers, (d,), (d,), *head)
+
+    @property
+    def parameter_sizes(self) -> tuple[int, ...]:
+        """Elements of each distinct parameter, in ``parameters()`` order."""
+        return tuple(math.prod(shape) for shape in self.parameter_shapes)
 
     @property
     def num_parameters(self) -> int:

@@ -19,6 +19,7 @@ the timed region; a logging collective must not be billed to the engine.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -60,6 +61,9 @@ class ModelShape:
     blocks; presets and published architectures do not). They count in ``root_parameters``: the reference ZeRO-3
     keeps such a weight with the root, gathered from forward to backward; FSDP instead wraps the blocks that share
     it as one unit."""
+    parameter_shapes: tuple[tuple[int, ...], ...] = ()
+    """Shape of each distinct parameter, in the order of ``parameter_sizes``; empty where the caller knows only the
+    sizes (each is then taken as one row: ``row_shard_elements`` falls back to the even split)."""
 
     @property
     def num_parameters(self) -> int:
@@ -80,6 +84,15 @@ class ModelShape:
     def last_block_parameters(self) -> int:
         """The last block's elements (0 without blocks): the one backward starts with, still gathered."""
         return self.block_sizes[-1] if self.block_sizes else 0
+
+    def row_shard_elements(self, world: int) -> int:
+        """Elements the first of ``world`` ranks holds when every parameter is split by rows (dim 0) the way
+        DTensor's ``Shard(0)`` splits it, as FSDP2 does: ``ceil(rows / world)`` rows to each rank in turn, so the
+        first rank holds up to one row of each parameter more than ``Ψ / world`` (and the last fewer, even none).
+        Without shapes, the even split, rounded up."""
+        if not self.parameter_shapes:
+            return -(-self.num_parameters // world)
+        return sum(-(-shape[0] // world) * math.prod(shape[1:]) if shape else 1 for shape in self.parameter_shapes)
 
 
 def root_held(model: nn.Module, blocks: Iterable[nn.Module]) -> set[int]:
@@ -121,6 +134,10 @@ class Capabilities:
     """The lowest stage at which parameters are sharded *between steps*: 3 for ZeRO, whose stage 2 keeps them
     whole; 2 for FSDP1, whose ``SHARD_GRAD_OP`` frees the gathered parameters after backward and gathers them
     again in the next forward (stage 2's traffic and peak, stage 3's model states between steps)."""
+    shards_parameters_by_rows: bool = False
+    """True when it splits each parameter by rows across the ranks (DTensor's ``Shard(0)``: FSDP2), so the first
+    rank holds ``ModelShape.row_shard_elements`` of every sharded category, up to a row per parameter more than
+    ``Ψ / N``; False for a flat, evenly split buffer (ZeRO, FSDP1)."""
 
     def why_unsupported(
         self,

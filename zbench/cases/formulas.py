@@ -27,6 +27,7 @@ def expected_state_bytes(
     optimizer: str = "adamw",
     momentum: float = 0.0,
     master_weights: bool | None = None,
+    shard_elements: float | None = None,
 ) -> dict[str, float]:
     """Predicted bytes per rank by category for one rank of ``world``.
 
@@ -39,7 +40,7 @@ def expected_state_bytes(
         master_weights = precision != "fp32"
     low = 2 if master_weights else 4
     k = optimizer_bytes_per_param(optimizer, momentum)
-    shard = 1.0 / world
+    shard = shard_elements / params if shard_elements is not None else 1.0 / world
     p_frac = shard if stage >= 3 else 1.0
     g_frac = shard if stage >= 2 else 1.0
     o_frac = shard if stage >= 1 else 1.0
@@ -72,6 +73,7 @@ def placement(
     momentum: float = 0.0,
     master_weights: bool | None = None,
     offload_master: bool = True,
+    shard_elements: float | None = None,
 ) -> dict[str, dict[str, float]]:
     """Predicted bytes per rank by category *and location* (device, host, disk).
 
@@ -101,13 +103,14 @@ def placement(
         optimizer=optimizer,
         momentum=momentum,
         master_weights=master_weights,
+        shard_elements=shard_elements,
     )
     out = {c: {"device": 0.0, "host": 0.0, "disk": 0.0} for c in by_cat}
     if offload == "none":
         for cat, b in by_cat.items():
             out[cat]["device"] = b
         return out
-    shard = params / world
+    shard = shard_elements if shard_elements is not None else params / world
     optim_loc = "disk" if offload == "nvme" else "host"
     out["optimizer_state"][optim_loc] = by_cat["optimizer_state"]
     out["master_weights"][optim_loc] = 4 * shard if offload_master else 0.0
@@ -121,14 +124,17 @@ def placement(
 
 def placement_for(case: Case) -> dict[str, dict[str, float]]:
     """``placement`` for one suite case, with the layout its implementation declares (master weights kept in
-    mixed precision, a separate master when offloading, parameters sharded between steps below stage 3)."""
+    mixed precision, a separate master when offloading, parameters sharded between steps below stage 3, each
+    parameter split by rows), for its fullest rank."""
     caps = case.capabilities
     if caps is None:
         raise ValueError(f"case {case.case_id} carries no capabilities (a schema-1 record); nothing to predict")
+    info = model_info(case.model)
+    by_rows = info.shape.row_shard_elements(case.world_size) if caps.shards_parameters_by_rows else None
 
     def at(stage: int) -> dict[str, dict[str, float]]:
         return placement(
-            params=model_info(case.model).parameters,
+            params=info.parameters,
             world=case.world_size,
             stage=stage,
             precision=case.precision,
@@ -137,6 +143,7 @@ def placement_for(case: Case) -> dict[str, dict[str, float]]:
             momentum=case.momentum,
             master_weights=caps.keeps_master_weights and case.precision != "fp32",
             offload_master=caps.offload_keeps_master,
+            shard_elements=by_rows,
         )
 
     out = at(case.stage)

@@ -24,6 +24,7 @@ nor transformers, so that the suite parser and ``zbench list`` need neither.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
@@ -104,29 +105,40 @@ class HFArch:
     def qkv_bias(self) -> bool:
         return self.model_type == "qwen2" or bool(self._get("attention_bias", False))
 
-    def _attention_sizes(self) -> tuple[int, ...]:
+    def _attention_shapes(self) -> tuple[tuple[int, ...], ...]:
         d, kv = self.d_model, self.kv_heads * self.head_dim
         q = self.heads * self.head_dim
         if self.qkv_bias:
-            return (q * d, q, kv * d, kv, kv * d, kv, d * q)
-        return (q * d, kv * d, kv * d, d * q)
+            return ((q, d), (q,), (kv, d), (kv,), (kv, d), (kv,), (d, q))
+        return ((q, d), (kv, d), (kv, d), (d, q))
 
-    def _mlp_sizes(self) -> tuple[int, ...]:
+    def _mlp_shapes(self) -> tuple[tuple[int, ...], ...]:
         d, f, e = self.d_model, self.ffn, self.experts
         if e:  # the router, then the experts fused into 3-D tensors (transformers 5)
-            return (e * d, e * 2 * f * d, e * d * f)
-        return (f * d, f * d, d * f)  # gate, up, down
+            return ((e, d), (e, 2 * f, d), (e, d, f))
+        return ((f, d), (f, d), (d, f))  # gate, up, down
+
+    def _mlp_sizes(self) -> tuple[int, ...]:
+        return tuple(math.prod(shape) for shape in self._mlp_shapes())
+
+    def _layer_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """One decoder layer: attention, MLP (or router and experts), input and post-attention norms."""
+        return (*self._attention_shapes(), *self._mlp_shapes(), (self.d_model,), (self.d_model,))
 
     def _layer_sizes(self) -> tuple[int, ...]:
-        """One decoder layer: attention, MLP (or router and experts), input and post-attention norms."""
-        return (*self._attention_sizes(), *self._mlp_sizes(), self.d_model, self.d_model)
+        return tuple(math.prod(shape) for shape in self._layer_shapes())
+
+    @property
+    def parameter_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shape of each distinct parameter, in ``parameters()`` order of the transformers model."""
+        d = self.d_model
+        head = () if self.tied else ((self.vocab, d),)
+        return ((self.vocab, d), *self._layer_shapes() * self.layers, (d,), *head)
 
     @property
     def parameter_sizes(self) -> tuple[int, ...]:
         """Elements of each distinct parameter, in ``parameters()`` order of the transformers model."""
-        d = self.d_model
-        head = () if self.tied else (self.vocab * d,)
-        return (self.vocab * d, *self._layer_sizes() * self.layers, d, *head)
+        return tuple(math.prod(shape) for shape in self.parameter_shapes)
 
     @property
     def num_parameters(self) -> int:

@@ -23,6 +23,7 @@ Presets describe themselves with a ``GPTConfig``; a user model is measured once,
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,7 +74,12 @@ class ModelInfo:
         model alike."""
         from zbench.protocol import ModelShape  # imports torch: only the ranks and the planner ask
 
-        return ModelShape(parameter_sizes(self.name), self.block_sizes, self.shared_block_parameters)
+        return ModelShape(
+            parameter_sizes(self.name),
+            self.block_sizes,
+            self.shared_block_parameters,
+            parameter_shapes=parameter_shapes(self.name),
+        )
 
     @property
     def default_seq_len(self) -> int:
@@ -181,7 +187,7 @@ def model_info(name: str) -> ModelInfo:
     block_sizes, shared = _block_layout(model) if has_blocks else ((), 0)
     return ModelInfo(
         name,
-        sum(_distinct_sizes(model)),
+        sum(math.prod(shape) for shape in _distinct_shapes(model)),
         _declared_int(model, "vocab_size"),
         _declared_int(model, "max_seq_len"),
         gpt=None,
@@ -200,14 +206,20 @@ def check_buildable(info: ModelInfo) -> None:
 
 
 @cache
-def parameter_sizes(name: str) -> tuple[int, ...]:
-    """Elements of each distinct parameter, in ``parameters()`` order (a user's model measured on ``meta``): for
-    layouts that depend on single tensors (DeepSpeed keeps parameters below a size unpartitioned)."""
+def parameter_shapes(name: str) -> tuple[tuple[int, ...], ...]:
+    """Shape of each distinct parameter, in ``parameters()`` order (a user's model measured on ``meta``): for
+    layouts that depend on single tensors (DeepSpeed keeps parameters below a size unpartitioned; FSDP2 splits each
+    by rows, the first rank taking the odd row)."""
     if name in PRESETS:
-        return PRESETS[name].parameter_sizes
+        return PRESETS[name].parameter_shapes
     if hf_models.is_hf_model(name):
-        return hf_models.arch(name).parameter_sizes
-    return _distinct_sizes(build_user_model(name, seed=0, device="meta"))
+        return hf_models.arch(name).parameter_shapes
+    return _distinct_shapes(build_user_model(name, seed=0, device="meta"))
+
+
+def parameter_sizes(name: str) -> tuple[int, ...]:
+    """Elements of each distinct parameter, in ``parameters()`` order."""
+    return tuple(math.prod(shape) for shape in parameter_shapes(name))
 
 
 def _block_layout(model: nn.Module) -> tuple[tuple[int, ...], int]:
@@ -224,9 +236,9 @@ def _block_layout(model: nn.Module) -> tuple[tuple[int, ...], int]:
     return own, sum(shared.values())
 
 
-def _distinct_sizes(model: nn.Module) -> tuple[int, ...]:
+def _distinct_shapes(model: nn.Module) -> tuple[tuple[int, ...], ...]:
     unique = {id(p): p for p in model.parameters()}  # a shared (tied) weight counts once
-    return tuple(p.numel() for p in unique.values())
+    return tuple(tuple(p.shape) for p in unique.values())
 
 
 def build(name: str, *, seed: int, device: torch.device | str = "cpu") -> nn.Module:

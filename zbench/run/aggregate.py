@@ -255,7 +255,9 @@ def declared_layout(case: Case) -> tuple[dict[str, dict[str, float]], str]:
     declared = declare(spec, parameter_sizes(case.model), case.world_size) if declare is not None else None
     if declared is not None:
         return declared, f"{case.implementation}'s own layout"
-    return placement_for(case), "ZeRO formulas"
+    caps = case.capabilities
+    by_rows = caps is not None and caps.shards_parameters_by_rows
+    return placement_for(case), "ZeRO formulas, each parameter split by rows" if by_rows else "ZeRO formulas"
 
 
 def model_state(case: Case, ranks: list[RankResult]) -> ModelState:
