@@ -138,6 +138,7 @@ def test_calibrate_writes_a_profile_the_simulator_takes(cli, tmp_path):
     assert set(profile.sources) >= set(FIGURES)  # every figure the step model reads is measured or says why not
     assert profile.peak_tflops == pytest.approx(max(p.tflops for p in cal.matmul), rel=1e-3)
     assert profile.gpus_per_node == 3 and profile.overlap == 0.0
+    assert cal.mapped_gb_s is not None and cal.mapped_gb_s > 0  # a CPU rank's fresh pages, measured
     r = cli("plan", "--simulate", str(out), "--model", "tiny", "-i", "ddp", "-o", "none", "--gpus", "2", "--json")
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(r.stdout)["rows"]

@@ -101,6 +101,12 @@ def test_each_operator_is_charged_by_hand():
     assert op_seconds(add, cal, on_gpu=False) == pytest.approx(5 * (3e6 / 10e9 + 2e-6))
     tiny = {"op": "add", "dtype": "float32", "flops": 0, "bytes": 8, "count": 10}
     assert op_seconds(tiny, cal, on_gpu=True) == pytest.approx(10 * 2e-6)  # launch-bound on a GPU
+    # a CPU rank maps each large tensor an operator creates (glibc's threshold pinned), a GPU's allocator reuses
+    fresh = {"op": "gelu", "dtype": "float32", "flops": 0, "bytes": 3e6, "mapped_bytes": 1e6, "count": 2}
+    mapping = cal.model_copy(update={"mapped_gb_s": 5.0})
+    assert op_seconds(fresh, mapping, on_gpu=False) == pytest.approx(2 * (3e6 / 10e9 + 1e6 / 5e9 + 2e-6))
+    assert op_seconds(fresh, cal, on_gpu=False) == op_seconds(add | {"count": 2}, cal, on_gpu=False)  # not measured
+    assert op_seconds(fresh, mapping, on_gpu=True) == pytest.approx(2 * max(3e6 / 10e9, 2e-6))
     ops = {"forward": [matmul], "after_backward": [add]}
     at_8 = phase_seconds(ops, cal, traced_world=2, world=8, sharded_step=True)
     assert at_8["after_backward"] == pytest.approx(5 * (3e6 / 10e9 / 4 + 2e-6))  # a quarter of the work, every call
@@ -135,6 +141,10 @@ def test_a_cpu_ranks_share_of_the_cores_against_one_calibrated_thread():
     assert cpu_share(2, 2, 1) == 1
     assert cpu_share(4, 2, 1) == 0.5  # four ranks on two cores: half a core each
     assert cpu_share(3, 16, 2) == 2.5  # 5 threads each, calibrated on 2
+    # with the speed-up the calibration measured on every core (two threads 1.34x one, not 2x)
+    assert cpu_share(1, 2, 1, 1.34) == pytest.approx(1.34)
+    assert cpu_share(2, 2, 1, 1.34) == 1 and cpu_share(4, 2, 1, 1.34) == 0.5  # one thread each, or less
+    assert cpu_share(2, 16, 1, 9.0) == pytest.approx(1 + 8 * 7 / 15)  # 8 of 16 threads: linear between
 
 
 def test_bytes_moved_follow_the_schema_in_place_out_and_lists():
@@ -155,3 +165,31 @@ def test_bytes_moved_follow_the_schema_in_place_out_and_lists():
         torch.empty(1000)
     moved = {e["op"]: e["bytes"] for e in ledger.take()["after_backward"]}
     assert moved == {"add_": 12000, "add": 12000, "_foreach_add_": 24000}
+
+
+def test_the_ledger_counts_the_large_tensors_an_operator_creates():
+    """Bytes a CPU rank maps fresh: each tensor an operator creates of at least the pinned mmap threshold (an
+    output of ``add``; a large ``empty``, kept for them alone), never a small one, a view or an in-place result."""
+    import torch
+
+    from zbench.measure.memory import CPU_MMAP_THRESHOLD_BYTES
+    from zbench.plan.trace.ops import OpLedger
+
+    n = CPU_MMAP_THRESHOLD_BYTES // 4  # fp32: exactly the threshold
+    ledger = OpLedger()
+    big, small = torch.ones(n), torch.ones(n // 2)
+    with ledger:
+        ledger.start_step()
+        big.add_(big)
+        torch.add(big, big)
+        torch.add(small, small)
+        torch.empty(n)
+        torch.empty(n // 2)
+        big.view(2, -1)
+    mapped = {(e["op"], e["shapes"][0][0]): (e["bytes"], e["mapped_bytes"]) for e in ledger.take()["after_backward"]}
+    assert mapped == {
+        ("add_", n): (3 * 4 * n, 0),
+        ("add", n): (3 * 4 * n, 4 * n),
+        ("add", n // 2): (3 * 2 * n, 0),
+        ("empty", n): (0, 4 * n),
+    }

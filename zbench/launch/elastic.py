@@ -31,6 +31,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from zbench.errors import UsageError
 from zbench.launch.handoff import CaseFiles
+from zbench.measure.memory import CPU_MALLOC_ENV
 
 #: How long a rank gets to print its stacks (faulthandler on SIGUSR1) before it is killed.
 STACK_DUMP_WAIT_S = 1.0
@@ -38,12 +39,6 @@ POLL_S = 0.2
 #: How long the agent gets to notice killed ranks and return, after a timeout or an interrupt.
 AGENT_EXIT_WAIT_S = 60.0
 
-#: glibc's initial mmap threshold (128 KiB), pinned for CPU ranks. By default glibc raises the threshold as
-#: large blocks are freed, after which backward's freed transients stay in the heap, resident: peak RSS then
-#: measured glibc's free lists (150-290 MiB on the 41M-parameter model, different every run) rather than what
-#: the rank held, and hid what NVMe offload takes out of memory. Pinned, large blocks are mapped and unmapped
-#: and RSS follows the bytes in use. A value the user exports is kept.
-CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 #: The agent's own loggers: it logs every launch at INFO and, run from a thread, warns that it cannot install
 #: signal handlers. The harness reports what matters (the failing rank, a rendezvous timeout) itself.

@@ -19,6 +19,17 @@ import psutil
 import torch
 import torch.distributed as dist
 
+#: glibc's initial mmap threshold (128 KiB), pinned for CPU ranks (``zbench.launch.elastic``; a value the user
+#: exports is kept). By default glibc raises the threshold as large blocks are freed, after which backward's freed
+#: transients stay in the heap, resident: peak RSS then measured glibc's free lists (150-290 MiB on the
+#: 41M-parameter model, different every run) rather than what the rank held, and hid what NVMe offload takes out
+#: of memory. Pinned, large blocks are mapped and unmapped and RSS follows the bytes in use.
+#: The price is time: every tensor of 128 KiB or more a CPU rank creates is mapped, faulted in page by page and
+#: unmapped when freed (the `small` GPT's DDP step at world 1: 65 ms without, 108 ms with, 2026-11-27, 2-core
+#: CPU); ``zbench calibrate`` measures that rate (``mapped_gb_s``) so the simulator charges it.
+CPU_MMAP_THRESHOLD_BYTES = 131072
+CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(CPU_MMAP_THRESHOLD_BYTES)}
+
 _rss_reset = False
 
 

@@ -55,6 +55,10 @@ def _figures(profile: Cluster) -> dict[str, float]:
     out["hook_call_us"] = cal.hook_call_us
     if cal.op_call_us is not None:
         out["op_call_us"] = cal.op_call_us
+    if cal.mapped_gb_s is not None:
+        out["mapped_gb_s"] = cal.mapped_gb_s
+    if cal.thread_speedup is not None:
+        out["thread_speedup"] = cal.thread_speedup
     if cal.collective_issue_us is not None:
         out["collective_issue_us"] = cal.collective_issue_us
     if cal.disk is not None:

@@ -9,7 +9,10 @@ usually reaches the device's best rate (the profile's peak).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from zbench.measure.memory import CPU_MALLOC_ENV
 from zbench.plan.calibrate.timer import Timer
 from zbench.plan.simulate.calibration import BandwidthPoint, MatmulPoint
 
@@ -97,6 +101,58 @@ def copies(timer: Timer, sizes: Sizes, memory: list[BandwidthPoint]) -> dict[str
         out[f"h2d_{kind}"] = sizes.stream_bytes / timer.median_s(partial(dev.copy_, host)) / 1e9
         out[f"d2h_{kind}"] = sizes.stream_bytes / timer.median_s(partial(host.copy_, dev)) / 1e9
     return out
+
+
+def mapped_probe(nbytes: int = 4 * 2**20) -> float:
+    """GB/s at which this process creates, fills and frees a tensor of ``nbytes`` beyond what filling one it
+    already holds costs: the page mapping, zero-filling faults and unmapping of a fresh large block. Meant to run
+    in a process whose glibc maps every block of 128 KiB or more (``mapped_gb_s`` starts one)."""
+    timer = Timer(torch.device("cpu"), budget_s=0.3)
+    n = nbytes // 4
+    held = torch.empty(n)
+    reuse_s = timer.median_s(lambda: held.fill_(1.0))
+    fresh_s = timer.median_s(lambda: torch.empty(n).fill_(1.0))
+    return nbytes / max(fresh_s - reuse_s, 1e-9) / 1e9
+
+
+def thread_speedup(threads: int, tokens: int = 512, hidden: int = 256) -> float:
+    """How much faster a training step of one transformer-sized MLP (``tokens x hidden`` through ``4 hidden`` and
+    back, GELU, AdamW) runs on ``threads`` threads than on one: what a CPU rank gains from the cores it has to
+    itself. Operators do not all scale with threads (the per-call costs not at all), so this is measured rather
+    than taken to be ``threads``."""
+    model = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(tokens, hidden)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    before = torch.get_num_threads()
+    timer = Timer(torch.device("cpu"), budget_s=0.5)
+    try:
+        torch.set_num_threads(1)
+        one = timer.median_s(step)
+        torch.set_num_threads(threads)
+        return one / timer.median_s(step)
+    finally:
+        torch.set_num_threads(before)
+
+
+def rank_probes() -> dict[str, float]:
+    """``mapped_probe`` and ``thread_speedup`` (over every core) as a CPU rank of zbench runs: glibc's mmap
+    threshold pinned (``zbench.measure.memory.CPU_MALLOC_ENV``, or the value the user exports, as the launcher
+    keeps it). A process of its own, since the threshold is read when the process starts and pinning it here
+    would slow the caller's own allocations."""
+    env = {**CPU_MALLOC_ENV, **os.environ}
+    code = (
+        "import json, torch; from zbench.plan.calibrate import kernels; torch.set_num_threads(1); "
+        "print(json.dumps({'mapped_gb_s': kernels.mapped_probe(), "
+        "'thread_speedup': kernels.thread_speedup(kernels.cores())}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return {k: float(v) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
 def hook_call_us(calls: int = 2000) -> float:

@@ -66,9 +66,11 @@ def calibrate(machine: Machine, *, disk_dir: Path | None, quick: bool, progress:
 
     step(1, f"matrix products on {machine.device.type}: {', '.join(map(kernels.dtype_name, sizes.dtypes))}")
     matmul = kernels.matmul_table(timer, sizes)
-    step(2, "memory-bound operators and host <-> device copies")
+    on_cpu = machine.device.type == "cpu"
+    step(2, "memory-bound operators, host <-> device copies" + (", a rank's fresh pages and threads" if on_cpu else ""))
     memory_bound = kernels.memory_bound(timer, sizes)
     copies = kernels.copies(timer, sizes, memory_bound)
+    rank = kernels.rank_probes() if on_cpu else {}
     step(3, "per-operator cost inside a training step, module hooks, the host optimizer step")
     hook_us, op_us, adam = kernels.hook_call_us(), kernels.op_call_us(timer), kernels.host_adam_params_per_s(threads)
     curves: list = []
@@ -102,4 +104,6 @@ def calibrate(machine: Machine, *, disk_dir: Path | None, quick: bool, progress:
         copies_gb_s=copies,
         disk=disk,
         host_adam_params_per_s=adam,
+        mapped_gb_s=rank.get("mapped_gb_s"),
+        thread_speedup=rank.get("thread_speedup"),
     )

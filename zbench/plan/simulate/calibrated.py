@@ -9,7 +9,8 @@ measured one (the paired ratio when the run paired, the figure zbench gates on).
 
 On a CPU a rank's share of the cores differs from the calibration's one thread per rank: a world-1 case's
 rank runs ``cores`` threads, and four ranks on two cores share them. Compute is scaled by that share
-(``cpu_share``), as a matrix product's rate scales with its threads; it is the one adjustment made.
+(``cpu_share``): by the speed-up the calibration measured on every core, else as if a rate scaled with its
+threads; it is the one adjustment made.
 """
 
 from __future__ import annotations
@@ -42,12 +43,18 @@ class CalibratedPrediction(Prediction):
         return (self.predicted_ratio - self.measured_ratio) / self.measured_ratio
 
 
-def cpu_share(world: int, cores: int, threads_per_rank: int) -> float:
-    """A CPU rank's cores relative to the calibration's ``threads_per_rank``: the threads a CPU run gives each
+def cpu_share(world: int, cores: int, threads_per_rank: int, thread_speedup: float | None = None) -> float:
+    """A CPU rank's speed relative to the calibration's ``threads_per_rank``: the threads a CPU run gives each
     rank (``zbench.rank.worker``: ``$ZBENCH_THREADS_PER_RANK``, else ``cores // world``, at least one), and
-    never more than ``cores / world`` cores each when ranks outnumber cores."""
+    never more than ``cores / world`` cores each when ranks outnumber cores. More threads than calibrated gain
+    what the calibration measured (``thread_speedup`` on every core; linear between), where it measured it:
+    the 2-core machine's two threads ran a step 1.34 times as fast as one, not twice."""
     threads = int(os.environ.get("ZBENCH_THREADS_PER_RANK", max(1, cores // world)))
-    return min(threads, cores / world) / threads_per_rank
+    share = min(threads, cores / world) / threads_per_rank
+    most = cores / threads_per_rank
+    if thread_speedup is None or share <= 1 or most <= 1:
+        return share
+    return 1 + (thread_speedup - 1) * (share - 1) / (most - 1)
 
 
 def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> StepEstimate:
@@ -60,7 +67,7 @@ def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> StepEstimat
         row.trace.ops, cal, traced_world=world, world=world, sharded_step=case.stage >= 1, offload=case.offload
     )
     if cal.device == "cpu":
-        share = cpu_share(world, cores, cal.threads_per_rank)
+        share = cpu_share(world, cores, cal.threads_per_rank, cal.thread_speedup)
         compute = {phase: seconds / share for phase, seconds in compute.items()}
     tokens = case.micro_batch * case.grad_accum * case.seq_len
     params = model_info(case.model).parameters

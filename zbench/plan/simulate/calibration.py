@@ -84,3 +84,16 @@ class Calibration(_Frozen):
     )
     disk: DiskProbe | None = None
     host_adam_params_per_s: float = Field(gt=0)
+    mapped_gb_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="on a CPU: bytes per second of a large fresh tensor's mapping, page faults and unmapping, as "
+        "zbench's CPU ranks pay them (glibc's mmap threshold pinned: zbench.measure.memory); none on a GPU, whose "
+        "caching allocator reuses blocks",
+    )
+    thread_speedup: float | None = Field(
+        default=None,
+        gt=0,
+        description="on a CPU: a transformer MLP's training step on every core's threads against one thread (a "
+        "world-1 rank has them all); none on a GPU",
+    )

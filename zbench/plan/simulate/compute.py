@@ -7,6 +7,8 @@ Each operator the trace recorded (``zbench.plan.trace.ops``) is charged:
   nearest point's rate beyond them; the training dtype's table where its own was not measured);
 - otherwise: the bytes it reads and writes at the measured memory bandwidth (the median of ``copy`` and
   ``add``);
+- on a CPU, the bytes of the large tensors it creates at the rate a rank maps fresh pages (``mapped_gb_s``:
+  zbench's CPU ranks map every block of 128 KiB or more, ``zbench.measure.memory``), added to its work;
 - every call, the calibrated cost of an operator of negligible work inside a training step (``op_call_us``:
   autograd, module calls, the optimizer's loop): on a CPU added to the work (the same thread does both), on
   a GPU the larger of the two (the host launches ahead while the device works).
@@ -62,6 +64,8 @@ def op_seconds(entry: dict[str, Any], cal: Calibration, *, on_gpu: bool, work_sc
         work = entry["flops"] / flop_rate(cal, entry["dtype"], entry["flops"])
     else:
         work = entry["bytes"] / memory_bandwidth(cal)
+    if not on_gpu and cal.mapped_gb_s:
+        work += entry.get("mapped_bytes", 0) / (cal.mapped_gb_s * 1e9)  # traces before it was recorded: none
     work *= work_scale
     call = (cal.op_call_us or 0.0) * 1e-6
     return entry["count"] * (max(work, call) if on_gpu else work + call)

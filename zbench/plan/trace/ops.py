@@ -4,9 +4,11 @@ The step-time model charges each operator its own time from a calibrated profile
 measured rate for their size and dtype, everything else at the measured memory bandwidth, each call its
 dispatch cost) instead of one FLOPs-over-peak figure. ``OpLedger`` records, for the measured step, every
 operator that computes or moves memory: its name, dtype, input shapes, FLOPs (torch's own formulas,
-``torch.utils.flop_counter``), bytes read and written, and how often it ran. Views, fresh empty tensors and
-collectives (the communication ledger's) are left out. Identical calls are kept once with a count, so a
-70B model's 80 identical layers cost 1 entry each, not 80.
+``torch.utils.flop_counter``), bytes read and written, bytes of the tensors it created that a CPU rank maps
+fresh from the system (each at least ``CPU_MMAP_THRESHOLD_BYTES``: ``zbench.measure.memory``), and how often it
+ran. Views, small empty tensors and collectives (the communication ledger's) are left out; a large empty tensor
+is kept for its mapped bytes (its pages are faulted in by whatever writes it first). Identical calls are kept
+once with a count, so a 70B model's 80 identical layers cost 1 entry each, not 80.
 
 Phases follow the tracer's markers (``zbench.plan.trace.tracer.mark_phases``): what runs before a forward's
 end is ``forward``, before a backward's end ``backward`` (recomputation under activation checkpointing
@@ -23,11 +25,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-#: Operators that neither compute nor move memory (a fresh tensor's allocation; autograd bookkeeping).
-FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh"}
+from zbench.measure.memory import CPU_MMAP_THRESHOLD_BYTES
+
+#: Operators that neither compute nor move memory: a fresh tensor's allocation (kept only when it is large enough
+#: to be mapped on a CPU rank) and autograd bookkeeping.
+ALLOCATING = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
+FREE = ALLOCATING | {"detach", "alias", "lift_fresh"}
 MARKS = {"forward_end": "forward", "backward_end": "backward"}
 
-_Key = tuple[str, str, tuple[tuple[int, ...], ...], int, int]
+_Key = tuple[str, str, tuple[tuple[int, ...], ...], int, int, int]
 
 
 def _cpu_attention_flops(func: Any, args: Any) -> int | None:
@@ -50,13 +56,14 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _entry(key: _Key, count: int) -> dict[str, Any]:
-    op, dtype, shapes, flops, nbytes = key
+    op, dtype, shapes, flops, nbytes, mapped = key
     return {
         "op": op,
         "dtype": dtype,
         "shapes": [list(s) for s in shapes],
         "flops": flops,
         "bytes": nbytes,
+        "mapped_bytes": mapped,
         "count": count,
     }
 
@@ -80,7 +87,8 @@ class OpLedger(TorchDispatchMode):
             self._current = Counter()
 
     def take(self) -> dict[str, list[dict[str, Any]]]:
-        """``{phase: [{op, dtype, shapes, flops, bytes, count}]}`` of the recorded step; recording stops."""
+        """``{phase: [{op, dtype, shapes, flops, bytes, mapped_bytes, count}]}`` of the recorded step; recording
+        stops."""
         segments = [*self._segments, (self._current, None)]
         self._recording = False
         merged: dict[str, Counter[_Key]] = {}
@@ -96,12 +104,15 @@ class OpLedger(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self._recording and func.namespace == "aten" and not func.is_view and func._opname not in FREE:
-            self._record(func, args, kwargs, out)
+        if self._recording and func.namespace == "aten" and not func.is_view:
+            if func._opname not in FREE:
+                self._record(func, args, kwargs, out)
+            elif func._opname in ALLOCATING and isinstance(out, torch.Tensor):
+                self._record_allocation(func._opname, out)
         return out
 
     def _record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
-        read, written, first = _moved_bytes(func, args, kwargs, out)
+        read, written, first, fresh = _moved_bytes(func, args, kwargs, out)
         if first is None:
             return
         counter = flop_registry.get(func._overloadpacket)
@@ -110,11 +121,21 @@ class OpLedger(TorchDispatchMode):
             flops = int(counter(*args, **kwargs, out_val=out)) if counter is not None else 0
         dtype = str(first.dtype).removeprefix("torch.")
         shapes = tuple(tuple(t.shape) for t in _tensors((args, kwargs)))
-        self._current[(str(func._overloadpacket).removeprefix("aten."), dtype, shapes, flops, read + written)] += 1
+        mapped = sum(n for n in map(_nbytes, fresh) if n >= CPU_MMAP_THRESHOLD_BYTES)
+        name = str(func._overloadpacket).removeprefix("aten.")
+        self._current[(name, dtype, shapes, flops, read + written, mapped)] += 1
+
+    def _record_allocation(self, name: str, out: torch.Tensor) -> None:
+        """A fresh empty tensor: nothing moved, but a large one is mapped on a CPU rank."""
+        if (size := _nbytes(out)) >= CPU_MMAP_THRESHOLD_BYTES:
+            self._current[(name, str(out.dtype).removeprefix("torch."), (tuple(out.shape),), 0, 0, size)] += 1
 
 
-def _moved_bytes(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> tuple[int, int, torch.Tensor | None]:
-    """``(bytes read, bytes written, the first tensor)`` of one call, from its schema: an argument marked as
+def _moved_bytes(
+    func: Any, args: Any, kwargs: dict[str, Any], out: Any
+) -> tuple[int, int, torch.Tensor | None, list[torch.Tensor]]:
+    """``(bytes read, bytes written, the first tensor, the tensors it created)`` of one call, from its schema: an
+    argument marked as
     written (``Tensor(a!)``: in place, or ``out=``) is written, and read too unless it is an ``out=``
     argument; a returned tensor is written unless the schema says it aliases an argument (counted there).
     So ``add_`` moves self twice and other once, ``add(out=)`` reads two and writes one, and
@@ -132,11 +153,11 @@ def _moved_bytes(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> tupl
         is_write = arg.alias_info is not None and arg.alias_info.is_write
         written += size if is_write else 0
         read += 0 if (is_write and arg.kwarg_only) else size
-    fresh = [t for r, t in zip(schema.returns, _returned(out), strict=False) if r.alias_info is None]
-    written += sum(map(_nbytes, _tensors(fresh)))
-    if first is None and _tensors(fresh):
-        first = _tensors(fresh)[0]
-    return read, written, first
+    fresh = _tensors([t for r, t in zip(schema.returns, _returned(out), strict=False) if r.alias_info is None])
+    written += sum(map(_nbytes, fresh))
+    if first is None and fresh:
+        first = fresh[0]
+    return read, written, first, fresh
 
 
 def _returned(out: Any) -> list[Any]:
