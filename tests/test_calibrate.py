@@ -178,3 +178,14 @@ def test_compare_lists_every_figure_of_either_profile_with_its_ratio():
     assert rows["peak_tflops"].ratio == pytest.approx(312 / 989)
     assert rows["intra_node.bandwidth_gb_s"].ratio == pytest.approx(235 / 370)
     assert len(rows) == 9 and all(d.ratio is not None for d in rows.values())  # no tables: the scalars only
+
+
+def test_a_failed_rank_environment_probe_is_one_line(monkeypatch):
+    """The fresh-page and thread probes run in a process of their own; if it fails, calibrate says so in one
+    line (exit 1 from the CLI), not with a traceback."""
+    from zbench.errors import OneLineError
+    from zbench.plan.calibrate import kernels
+
+    monkeypatch.setattr(kernels.sys, "executable", "/bin/false")
+    with pytest.raises(OneLineError, match="rank-environment probe"):
+        kernels.rank_probes()

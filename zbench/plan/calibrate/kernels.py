@@ -21,6 +21,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from zbench.errors import OneLineError
 from zbench.measure.memory import CPU_MALLOC_ENV
 from zbench.plan.calibrate.timer import Timer
 from zbench.plan.simulate.calibration import BandwidthPoint, MatmulPoint
@@ -106,7 +107,7 @@ def copies(timer: Timer, sizes: Sizes, memory: list[BandwidthPoint]) -> dict[str
 def mapped_probe(nbytes: int = 4 * 2**20) -> float:
     """GB/s at which this process creates, fills and frees a tensor of ``nbytes`` beyond what filling one it
     already holds costs: the page mapping, zero-filling faults and unmapping of a fresh large block. Meant to run
-    in a process whose glibc maps every block of 128 KiB or more (``mapped_gb_s`` starts one)."""
+    in a process whose glibc maps every block of 128 KiB or more (``rank_probes`` starts one)."""
     timer = Timer(torch.device("cpu"), budget_s=0.3)
     n = nbytes // 4
     held = torch.empty(n)
@@ -151,7 +152,10 @@ def rank_probes() -> dict[str, float]:
         "print(json.dumps({'mapped_gb_s': kernels.mapped_probe(), "
         "'thread_speedup': kernels.thread_speedup(kernels.cores())}))"
     )
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise OneLineError(f"the rank-environment probe (fresh pages, threads) failed: {last}")
     return {k: float(v) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
