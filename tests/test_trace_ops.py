@@ -193,3 +193,27 @@ def test_the_ledger_counts_the_large_tensors_an_operator_creates():
         ("add", n // 2): (3 * 2 * n, 0),
         ("empty", n): (0, 4 * n),
     }
+
+
+def test_an_implementations_host_work_is_its_residual_over_its_operators():
+    """Each probe's measured step less its operators' charge, through the two depths: planted residuals of
+    1 ms + 0.5 ms per block come back out, whatever the operators cost; the simulator adds them for the case's
+    implementation and stage and nothing for one not measured, never a negative time."""
+    from zbench.plan.calibrate.overheads import fit
+    from zbench.plan.simulate.compute import implementation_seconds, op_seconds
+
+    cal = _calibration()
+    matmul = {"op": "mm", "dtype": "float32", "flops": 2e6, "bytes": 0, "count": 3}
+    charged = op_seconds(matmul, cal, on_gpu=False)
+    probes = [
+        {"key": "fsdp-s3", "blocks": blocks, "seconds": charged + 1e-3 + 0.5e-3 * blocks, "ops": [matmul]}
+        for blocks in (2, 6)
+    ] + [{"key": "ddp-s0", "blocks": blocks, "seconds": 0.0, "ops": [matmul]} for blocks in (2, 6)]
+    overheads = fit(probes, cal)
+    assert overheads["fsdp-s3"].per_step_us == pytest.approx(1000) and overheads["fsdp-s3"].per_block_us == 500
+    assert overheads["fsdp-s3"].residuals_us == {"2": pytest.approx(2000), "6": pytest.approx(4000)}
+    with_them = cal.model_copy(update={"overheads": overheads})
+    assert implementation_seconds(with_them, "fsdp", 3, 32) == pytest.approx(1e-3 + 32 * 0.5e-3)
+    assert implementation_seconds(with_them, "fsdp", 2, 32) == 0.0  # not measured at that stage
+    assert implementation_seconds(with_them, "ddp", 0, 32) == 0.0  # over-charged operators: no negative time
+    assert implementation_seconds(cal, "fsdp", 3, 32) == 0.0  # an older calibration

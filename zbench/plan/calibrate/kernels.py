@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -141,22 +142,23 @@ def thread_speedup(threads: int, tokens: int = 512, hidden: int = 256) -> float:
         torch.set_num_threads(before)
 
 
-def rank_probes() -> dict[str, float]:
-    """``mapped_probe`` and ``thread_speedup`` (over every core) as a CPU rank of zbench runs: glibc's mmap
+def rank_probes() -> dict[str, Any]:
+    """``mapped_probe``, ``thread_speedup`` (over every core) and the implementations' step overheads
+    (``zbench.plan.calibrate.overheads.probe``) as a CPU rank of zbench runs: glibc's mmap
     threshold pinned (``zbench.measure.memory.CPU_MALLOC_ENV``, or the value the user exports, as the launcher
     keeps it). A process of its own, since the threshold is read when the process starts and pinning it here
     would slow the caller's own allocations."""
     env = {**CPU_MALLOC_ENV, **os.environ}
     code = (
-        "import json, torch; from zbench.plan.calibrate import kernels; torch.set_num_threads(1); "
+        "import json, torch; from zbench.plan.calibrate import kernels, overheads; torch.set_num_threads(1); "
         "print(json.dumps({'mapped_gb_s': kernels.mapped_probe(), "
-        "'thread_speedup': kernels.thread_speedup(kernels.cores())}))"
+        "'thread_speedup': kernels.thread_speedup(kernels.cores()), 'overheads': overheads.probe()}))"
     )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise OneLineError(f"the rank-environment probe (fresh pages, threads) failed: {last}")
-    return {k: float(v) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def hook_call_us(calls: int = 2000) -> float:

@@ -19,7 +19,7 @@ import psutil
 import torch
 
 import zbench
-from zbench.plan.calibrate import collectives, kernels
+from zbench.plan.calibrate import collectives, kernels, overheads
 from zbench.plan.calibrate.disk import probe_disk
 from zbench.plan.calibrate.timer import Timer
 from zbench.plan.simulate.calibration import Calibration, DiskProbe
@@ -67,7 +67,8 @@ def calibrate(machine: Machine, *, disk_dir: Path | None, quick: bool, progress:
     step(1, f"matrix products on {machine.device.type}: {', '.join(map(kernels.dtype_name, sizes.dtypes))}")
     matmul = kernels.matmul_table(timer, sizes)
     on_cpu = machine.device.type == "cpu"
-    step(2, "memory-bound operators, host <-> device copies" + (", a rank's fresh pages and threads" if on_cpu else ""))
+    rank_work = ", a rank's fresh pages, threads and each implementation's host work" if on_cpu else ""
+    step(2, f"memory-bound operators, host <-> device copies{rank_work}")
     memory_bound = kernels.memory_bound(timer, sizes)
     copies = kernels.copies(timer, sizes, memory_bound)
     rank = kernels.rank_probes() if on_cpu else {}
@@ -85,7 +86,7 @@ def calibrate(machine: Machine, *, disk_dir: Path | None, quick: bool, progress:
         step(5, f"disk: write and read in {disk_dir}")
         disk = probe_disk(disk_dir, 64 * 2**20 if quick else 256 * 2**20)
     step(steps, "done")
-    return Calibration(
+    cal = Calibration(
         measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         host=platform.node(),
         torch=torch.__version__,
@@ -107,3 +108,6 @@ def calibrate(machine: Machine, *, disk_dir: Path | None, quick: bool, progress:
         mapped_gb_s=rank.get("mapped_gb_s"),
         thread_speedup=rank.get("thread_speedup"),
     )
+    if "overheads" in rank:  # residuals against the operator costs just measured
+        cal = cal.model_copy(update={"overheads": overheads.fit(rank["overheads"], cal)})
+    return cal

@@ -2,7 +2,8 @@
 (``zbench calibrate``, made apart from them) and each case's trace predict its step time and its ratio to DDP.
 
 Unlike ``zbench.plan.simulate.measured`` (which takes compute from each group's measured DDP case), compute
-here is the traced operators at the calibrated costs (``zbench.plan.simulate.compute``), communication the
+here is the traced operators at the calibrated costs plus the implementation's calibrated host work
+(``zbench.plan.simulate.compute``; both measured on other models than the cases), communication the
 traced collectives on the profile's link, the optimizer step's operators included. Two errors per case:
 the step time against the measured median, and the predicted ratio to the group's DDP case against the
 measured one (the paired ratio when the run paired, the figure zbench gates on).
@@ -10,7 +11,7 @@ measured one (the paired ratio when the run paired, the figure zbench gates on).
 On a CPU a rank's share of the cores differs from the calibration's one thread per rank: a world-1 case's
 rank runs ``cores`` threads, and four ranks on two cores share them. Compute is scaled by that share
 (``cpu_share``): by the speed-up the calibration measured on every core, else as if a rate scaled with its
-threads; it is the one adjustment made.
+threads.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pydantic import computed_field
 
 from zbench.cases.model_source import model_info
 from zbench.plan.simulate.cluster import Cluster
-from zbench.plan.simulate.compute import phase_seconds
+from zbench.plan.simulate.compute import case_phase_seconds
 from zbench.plan.simulate.run_file import Prediction
 from zbench.plan.simulate.step import StepEstimate, estimate
 from zbench.plan.trace.plan import TracedRow
@@ -63,9 +64,7 @@ def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> StepEstimat
     if cal is None:
         raise ValueError(f"profile {cluster.name} is not calibrated: no operator costs to charge")
     case, world = row.case, row.case.world_size
-    compute = phase_seconds(
-        row.trace.ops, cal, traced_world=world, world=world, sharded_step=case.stage >= 1, offload=case.offload
-    )
+    compute = case_phase_seconds(row.trace.ops, cal, case, world=world)
     if cal.device == "cpu":
         share = cpu_share(world, cores, cal.threads_per_rank, cal.thread_speedup)
         compute = {phase: seconds / share for phase, seconds in compute.items()}

@@ -57,6 +57,14 @@ class DiskProbe(_Frozen):
     cache_evicted: bool = Field(description="whether the page cache could be told to drop the file before reading")
 
 
+class ImplementationOverhead(_Frozen):
+    """One implementation's host work per step beyond its operators (``zbench.plan.calibrate.overheads``)."""
+
+    per_step_us: float
+    per_block_us: float
+    residuals_us: dict[str, float] = Field(description="the measured residual at each probed depth (blocks)")
+
+
 class Calibration(_Frozen):
     """Everything one ``zbench calibrate`` run measured, with where and when."""
 
@@ -96,4 +104,8 @@ class Calibration(_Frozen):
         gt=0,
         description="on a CPU: a transformer MLP's training step on every core's threads against one thread (a "
         "world-1 rank has them all); none on a GPU",
+    )
+    overheads: dict[str, ImplementationOverhead] = Field(
+        default_factory=dict,
+        description="on a CPU: each built-in's step beyond its operators, by '<implementation>-s<stage>'",
     )

@@ -13,6 +13,10 @@ Each operator the trace recorded (``zbench.plan.trace.ops``) is charged:
   autograd, module calls, the optimizer's loop): on a CPU added to the work (the same thread does both), on
   a GPU the larger of the two (the host launches ahead while the device works).
 
+On a CPU profile each implementation's own host work beyond its operators (hooks, wrappers, Python between the
+operators; ``zbench.plan.calibrate.overheads``) is added to the step, as measured per step and per block; it is
+charged with the optimizer step (``after_backward``), where nothing hides it.
+
 The optimizer step (``after_backward``) of a stage that shards it shrinks with the world size: each of the
 trace's operators at ``traced_world`` ranks keeps its calls but has its work scaled by ``traced_world /
 world``. An approximation: a few of that phase's operators do not shrink (ZeRO-1/2's copies into the full
@@ -26,9 +30,13 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from zbench.cases.model_source import model_info
 from zbench.plan.simulate.calibration import Calibration, MatmulPoint
+
+if TYPE_CHECKING:
+    from zbench.cases.case import Case
 
 
 def _rate_table(cal: Calibration, dtype: str) -> list[tuple[float, float]]:
@@ -93,4 +101,27 @@ def phase_seconds(
             continue
         scale = traced_world / world if phase == "after_backward" and sharded_step else 1.0
         out[phase] = sum(op_seconds(e, cal, on_gpu=on_gpu, work_scale=scale) for e in entries)
+    return out
+
+
+def implementation_seconds(cal: Calibration, implementation: str, stage: int, blocks: int) -> float:
+    """The calibrated host work of ``implementation`` at ``stage`` beyond its operators, for a model of
+    ``blocks`` blocks (0 where it was not measured: a GPU profile, a plug-in, an older calibration)."""
+    overhead = cal.overheads.get(f"{implementation}-s{stage}")
+    if overhead is None:
+        return 0.0
+    return max(0.0, (overhead.per_step_us + overhead.per_block_us * blocks) * 1e-6)
+
+
+def case_phase_seconds(
+    ops: dict[str, list[dict[str, Any]]], cal: Calibration, case: Case, *, world: int
+) -> dict[str, float]:
+    """``phase_seconds`` of one traced case at ``world`` ranks, its implementation's host work included."""
+    out = phase_seconds(
+        ops, cal, traced_world=case.world_size, world=world, sharded_step=case.stage >= 1, offload=case.offload
+    )
+    blocks = len(model_info(case.model).block_sizes)
+    out["after_backward"] = out.get("after_backward", 0.0) + implementation_seconds(
+        cal, case.implementation, case.stage, blocks
+    )
     return out

@@ -7,7 +7,7 @@ from typing import Any
 
 from zbench.cases.model_source import model_info
 from zbench.plan.simulate.cluster import Cluster
-from zbench.plan.simulate.compute import phase_seconds
+from zbench.plan.simulate.compute import case_phase_seconds
 from zbench.plan.simulate.step import StepEstimate, estimate
 from zbench.plan.trace.plan import TracedRow
 
@@ -45,10 +45,7 @@ def operator_compute(row: TracedRow, cluster: Cluster, world: int) -> dict[str, 
     """Compute per phase from the traced operators where the profile is calibrated and the trace has them."""
     if cluster.calibration is None or not row.trace.ops:
         return None
-    return phase_seconds(
-        row.trace.ops, cluster.calibration, traced_world=row.case.world_size, world=world,
-        sharded_step=row.case.stage >= 1, offload=row.case.offload,
-    )  # fmt: skip
+    return case_phase_seconds(row.trace.ops, cluster.calibration, row.case, world=world)
 
 
 def simulate(rows: list[TracedRow], cluster: Cluster, scales: list[int]) -> list[SimulatedRow]:

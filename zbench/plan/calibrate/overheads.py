@@ -1,0 +1,95 @@
+"""What each built-in implementation's step costs beyond its operators: hooks, wrappers, parameter bookkeeping,
+DTensor dispatch, Python between the operators.
+
+The operator model charges each operator its work and a per-call cost measured on a bare ``Linear`` stack
+(``kernels.op_call_us``), and nothing else, so an implementation whose hooks do much work in Python (FSDP2's
+all-gather copy-in and copy-out around every unit, torch ZeRO's per-parameter broadcasts) is predicted as cheap
+as DDP: at ``tiny`` on 2 cores FSDP2's step is 2.4-3.0x DDP's, the operators alone said 1.0-1.4x.
+
+Each implementation trains a narrow GPT (width 32, two heads, vocabulary 128, 32 tokens: every operator's work
+negligible) at world 1 in a rank's environment, at two depths. Its residual, the measured step less what its
+own operators are charged (the same ledger the trace keeps, at the calibration's costs), is fitted as
+``per_step + per_block x blocks``; the simulator adds it to a traced case of the same implementation and stage.
+The probe model is none of the cases a validation predicts: nothing is fitted to them. At world 1 no collective
+crosses a link, so what this measures is the host's own work; the links are the collective curves' business.
+On a GPU this is not measured (the host's work there overlaps the device's, and the probe would time the
+launches instead).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zbench.cases import registry
+from zbench.cases.models import GPT
+from zbench.plan.calibrate.timer import Timer
+from zbench.plan.simulate.calibration import Calibration, ImplementationOverhead
+from zbench.plan.simulate.compute import op_seconds
+from zbench.plan.trace.ops import OpLedger
+from zbench.presets import GPTConfig
+from zbench.protocol import TrainSpec
+
+#: The built-ins probed, each at the stages it runs (``zbench.cases.registry``'s names).
+PROBED = (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3), ("fsdp", 3), ("fsdp1", 0), ("fsdp1", 2),
+          ("fsdp1", 3), ("torch_zero", 1))  # fmt: skip
+DEPTHS = (2, 6)
+WIDTH, HEADS, VOCAB, TOKENS, BATCH = 32, 2, 128, 32, 4
+
+
+def key(implementation: str, stage: int) -> str:
+    return f"{implementation}-s{stage}"
+
+
+def _one(implementation: str, stage: int, blocks: int, timer: Timer) -> dict[str, Any]:
+    """Build, warm and time one probe; its measured median step and the operators of one step."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=blocks, d_model=WIDTH, heads=HEADS, vocab=VOCAB, seq=TOKENS))
+    spec = TrainSpec(device=torch.device("cpu"), stage=stage, lr=1e-4)
+    engine = registry.resolve(implementation).build(model, spec, dist.group.WORLD)
+    tokens = torch.randint(0, VOCAB, (BATCH, TOKENS + 1))
+    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    try:
+        for _ in range(3):  # optimizer state, buffers, hooks' first calls
+            engine.step(batch)
+        ledger = OpLedger()
+        with ledger:
+            ledger.start_step()
+            engine.step(batch)
+            ops = [e for entries in ledger.take().values() for e in entries]
+        seconds = timer.median_s(lambda: engine.step(batch))
+        return {"key": key(implementation, stage), "blocks": blocks, "seconds": seconds, "ops": ops}
+    finally:
+        engine.close()
+
+
+def probe() -> list[dict[str, Any]]:
+    """Every probe at every depth, in a process group of one (run in a rank's environment: ``rank_probes``)."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
+    try:
+        timer = Timer(torch.device("cpu"), budget_s=0.3)
+        return [_one(impl, stage, blocks, timer) for impl, stage in PROBED for blocks in DEPTHS]
+    finally:
+        dist.destroy_process_group()
+
+
+def fit(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, ImplementationOverhead]:
+    """Each implementation's residual at each depth, as ``per_step + per_block x blocks`` through the two."""
+    residuals: dict[str, dict[int, float]] = {}
+    for p in probes:
+        charged = sum(op_seconds(e, cal, on_gpu=False) for e in p["ops"])
+        residuals.setdefault(p["key"], {})[p["blocks"]] = p["seconds"] - charged
+    out = {}
+    for name, by_depth in residuals.items():
+        (few, r_few), (many, r_many) = sorted(by_depth.items())
+        per_block = (r_many - r_few) / (many - few)
+        out[name] = ImplementationOverhead(
+            per_step_us=(r_few - per_block * few) * 1e6,
+            per_block_us=per_block * 1e6,
+            residuals_us={str(d): r * 1e6 for d, r in sorted(by_depth.items())},
+        )
+    return out
