@@ -73,6 +73,25 @@ def test_a_latency_read_off_a_calibration_comes_back_out_of_the_step_model():
     assert collective_seconds("all_reduce", 8, 1, 8, cluster) == pytest.approx(30e-6, rel=1e-3)
 
 
+def test_a_world_with_its_own_measured_curve_is_charged_by_it():
+    """Four CPU ranks on two cores wait on each other in every call, which a link model of two cannot say: where
+    the calibration measured a collective over exactly the world's ranks, the step model charges its fitted
+    curve (each call its latency, the crossing bytes at its bandwidth); elsewhere the link model, unchanged."""
+    from tests.test_trace_ops import _calibration
+    from zbench.plan.simulate.calibration import CollectiveCurve
+    from zbench.plan.simulate.step import collective_seconds
+
+    slow = CollectiveCurve(op="all_gather", ranks=4, latency_us=900.0, bandwidth_gb_s=0.2, fit_error=0.05,
+                           points=[(4, 9e-4), (2**20, 5e-3)])  # fmt: skip
+    base = load("cpu-2core")
+    cluster = base.model_copy(update={"calibration": _calibration().model_copy(update={"collectives": [slow]})})
+    nbytes = 3 * 2**20
+    expected = 5 * 900e-6 + nbytes * 3 / 4 / 0.2e9
+    assert collective_seconds("all_gather", nbytes, 5, 4, cluster) == pytest.approx(expected)
+    for op, world in (("all_gather", 2), ("reduce_scatter", 4)):  # no curve for these: the link model, as before
+        assert collective_seconds(op, nbytes, 5, world, cluster) == collective_seconds(op, nbytes, 5, world, base)
+
+
 #: A profile as users wrote them before schema versions existed (h100-sxm's first file): still loads, as version 1.
 VERSION_1 = """\
 name: mine
@@ -125,15 +144,16 @@ def test_calibrate_writes_a_profile_the_simulator_takes(cli, tmp_path):
     out = tmp_path / "here.yaml"
     # three ranks: a rank count that divides none of the power-of-two message sizes (reduce-scatter's input
     # must be its output times the ranks)
-    r = cli("calibrate", "--quick", "--ranks", "3", "--nvme-dir", str(tmp_path), "--out", str(out), "--name", "here",
-            "--against", "cpu-2core")  # fmt: skip
+    r = cli("calibrate", "--quick", "--ranks", "3", "--ranks", "2", "--nvme-dir", str(tmp_path), "--out", str(out),
+            "--name", "here", "--against", "cpu-2core")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "cpu-2core -> this calibration" in r.stderr and "all_gather bandwidth_gb_s" in r.stderr
     assert "[4/6] collectives over 3 gloo ranks" in r.stderr and f"wrote {out}" in r.stderr
     profile = load(str(out))
     cal = profile.calibration
     assert profile.name == "here" and profile.schema_version == SCHEMA_VERSION and cal is not None
-    assert {c.op for c in cal.collectives} == set(OPS) and all(c.ranks == 3 for c in cal.collectives)
+    assert sorted((c.op, c.ranks) for c in cal.collectives) == sorted((op, r) for op in OPS for r in (3, 2))
+    assert "and over 2 ranks" in r.stderr
     assert all(len(c.points) >= 8 for c in cal.collectives)
     assert cal.disk is not None and cal.disk.directory == str(tmp_path) and not list(tmp_path.glob(".zbench-*"))
     assert set(profile.sources) >= set(FIGURES)  # every figure the step model reads is measured or says why not

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
 from scipy.stats import kendalltau
 
 from zbench.plan.simulate.calibrated import CalibratedPrediction, predict_calibrated
@@ -80,9 +81,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         (tmp / "suite.yaml").write_text(SUITE.format(**vars(args)))
-        zbench("calibrate", "--out", str(tmp / "before.yaml"))
+        # the collectives over every world size the suite runs (four ranks on two cores wait on each other)
+        ranks = [arg for w in yaml.safe_load(args.worlds) if w > 1 for arg in ("--ranks", str(w))]
+        zbench("calibrate", *ranks, "--out", str(tmp / "before.yaml"))
         zbench("run", str(tmp / "suite.yaml"), "--results", str(tmp / "r"), "--report", str(tmp / "rep"))
-        zbench("calibrate", "--out", str(tmp / "after.yaml"))
+        zbench("calibrate", *ranks, "--out", str(tmp / "after.yaml"))
         run = next((tmp / "r").iterdir())
         records = RunDir(run.parent, run.name).cases()
         traced = trace_records(records, progress=lambda line: print(line, file=sys.stderr))

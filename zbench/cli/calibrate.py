@@ -26,11 +26,13 @@ OutOpt = Annotated[
 ]
 NameOpt = Annotated[str | None, typer.Option(help="The profile's name (default: calibrated-HOSTNAME).")]
 RanksOpt = Annotated[
-    int | None,
+    list[int] | None,
     typer.Option(
         min=1,
         help="Ranks the collectives run over: GPUs (default: every visible one) or, without a GPU, CPU cores "
-        "(default: all, at most 4; each rank one thread, as a CPU run of zbench).",
+        "(default: all, at most 4; each rank one thread, as a CPU run of zbench). Repeat it to measure the "
+        "collectives over more rank counts too (--ranks 2 --ranks 4: a CPU suite's world 4 on two cores); the "
+        "first sets the node, and the simulator takes a measured curve wherever a world size has one.",
     ),
 ]
 NvmeDirOpt = Annotated[
@@ -84,13 +86,14 @@ def calibrate_cmd(
 
     disk = _writable_paths(nvme_dir, out)
     base_profile, earlier = _profiles(base, against)
-    machine = Machine.here(ranks)
+    machine = Machine.here(ranks[0] if ranks else None)
+    also = tuple(dict.fromkeys(r for r in (ranks or [])[1:] if r > 1 and r != machine.ranks))
     if machine.ranks == 1 and base_profile is None:  # refused before minutes of measuring, not after
         raise UsageError("one rank here: no collective can be measured; give --base PROFILE for the links")
     console = stderr()
     console.print(f"calibrating {machine.name} x {machine.ranks} ({machine.backend})")
     try:
-        measured = calibrate(machine, disk_dir=disk, quick=quick, progress=console.print)
+        measured = calibrate(machine, disk_dir=disk, quick=quick, progress=console.print, also_ranks=also)
     except FitError as exc:
         raise OneLineError(f"calibration failed: {exc} (a busy or noisy machine: run it again)") from None
     for curve in measured.collectives:

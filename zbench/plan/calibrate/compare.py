@@ -48,8 +48,9 @@ def _figures(profile: Cluster) -> dict[str, float]:
     for b in cal.memory_bound:
         out[f"{b.op} gb_s"] = b.gb_s
     for c in cal.collectives:
-        out[f"{c.op} latency_us"] = c.latency_us
-        out[f"{c.op} bandwidth_gb_s"] = c.bandwidth_gb_s
+        name = c.op if c.ranks == cal.ranks else f"{c.op} over {c.ranks}"
+        out[f"{name} latency_us"] = c.latency_us
+        out[f"{name} bandwidth_gb_s"] = c.bandwidth_gb_s
     for kind, gb_s in cal.copies_gb_s.items():
         out[f"copy {kind} gb_s"] = gb_s
     out["hook_call_us"] = cal.hook_call_us

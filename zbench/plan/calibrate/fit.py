@@ -15,6 +15,8 @@ import statistics
 import numpy as np
 from scipy.optimize import least_squares
 
+from zbench.plan.simulate.step import crossing_bytes
+
 #: The fit's bandwidth term at the largest message must be at least this share of its latency: below it the
 #: curve is flat (time does not grow with size), and any bandwidth "fitted" to it is noise.
 MIN_BANDWIDTH_SHARE = 0.25
@@ -22,10 +24,6 @@ MIN_BANDWIDTH_SHARE = 0.25
 
 class FitError(ValueError):
     """A curve that cannot be fitted (too few sizes, or flat: noise); the message is one line."""
-
-
-def crossing_bytes(op: str, nbytes: float, ranks: int) -> float:
-    return nbytes if op == "broadcast" else nbytes * (ranks - 1) / ranks
 
 
 def fit_alpha_beta(op: str, points: list[tuple[int, float]], ranks: int) -> tuple[float, float, float]:

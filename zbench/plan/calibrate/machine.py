@@ -53,7 +53,15 @@ class Machine:
         return Machine(torch.device("cpu"), n, "CPU core (fp32)", psutil.virtual_memory().total / 2**30 / n, n)
 
 
-def calibrate(machine: Machine, *, disk_dir: Path | None, quick: bool, progress: Callable[[str], None]) -> Calibration:
+def calibrate(
+    machine: Machine,
+    *,
+    disk_dir: Path | None,
+    quick: bool,
+    progress: Callable[[str], None],
+    also_ranks: tuple[int, ...] = (),
+) -> Calibration:
+    """Every probe in turn; ``also_ranks``: the collectives measured over these rank counts too."""
     started = time.perf_counter()
     threads = 1 if machine.device.type == "cpu" else max(1, kernels.cores() // machine.ranks)
     torch.set_num_threads(1 if machine.device.type == "cpu" else threads)
@@ -79,6 +87,9 @@ def calibrate(machine: Machine, *, disk_dir: Path | None, quick: bool, progress:
     if machine.ranks > 1:
         step(4, f"collectives over {machine.ranks} {machine.backend} ranks (spawning them)")
         curves, issue_s = collectives.measure(machine.ranks, machine.backend, quick=quick)
+        for ranks in also_ranks:
+            progress(f"      and over {ranks} ranks ({time.perf_counter() - started:.0f} s so far)")
+            curves += collectives.measure(ranks, machine.backend, quick=quick)[0]
     else:
         step(4, "collectives: skipped, one rank")
     disk: DiskProbe | None = None

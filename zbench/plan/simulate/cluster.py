@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from zbench.plan.simulate.calibration import Calibration
+from zbench.plan.simulate.calibration import Calibration, CollectiveCurve
 
 BUILT_IN = Path(__file__).with_name("clusters")
 
@@ -76,6 +76,12 @@ class Cluster(BaseModel):
 
     def nodes(self, world: int) -> int:
         return math.ceil(world / self.gpus_per_node)
+
+    def curve(self, op: str, world: int) -> CollectiveCurve | None:
+        """The calibration's measured curve of ``op`` over exactly ``world`` ranks, if it has one."""
+        if self.calibration is None:
+            return None
+        return next((c for c in self.calibration.collectives if c.op == op and c.ranks == world), None)
 
     def bandwidth(self, world: int) -> float:
         """Bus bandwidth (bytes/s) of a collective over ``world`` ranks: its slowest link."""

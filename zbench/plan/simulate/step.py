@@ -32,10 +32,23 @@ from zbench.plan.simulate.cluster import Cluster
 PHASES = ("forward", "backward", "after_backward")
 
 
+def crossing_bytes(op: str, nbytes: float, ranks: int) -> float:
+    """The share of the ledger's bytes that crosses the slowest link: ``(ranks-1)/ranks`` of them for ring
+    collectives, all of them for a broadcast."""
+    return nbytes if op == "broadcast" else nbytes * (ranks - 1) / ranks
+
+
 def collective_seconds(op: str, nbytes: float, count: int, world: int, cluster: Cluster) -> float:
-    """Time of ``count`` calls of ``op`` moving ``nbytes`` (the ledger's logical bytes) in all over ``world`` ranks."""
+    """Time of ``count`` calls of ``op`` moving ``nbytes`` (the ledger's logical bytes) in all over ``world`` ranks.
+
+    Where the profile's calibration measured ``op`` over exactly ``world`` ranks, its fitted curve (each call its
+    latency, the bytes at its bandwidth): on a CPU, four ranks sharing two cores pay what a link model of two
+    cannot say. Otherwise the link model: ring and tree latencies from the per-hop figures, the slowest link's
+    bandwidth."""
     if world <= 1 or count == 0:
         return 0.0
+    if (curve := cluster.curve(op, world)) is not None:
+        return count * curve.latency_us * 1e-6 + crossing_bytes(op, nbytes, world) / (curve.bandwidth_gb_s * 1e9)
     beta = 1 / cluster.bandwidth(world)
     share = (world - 1) / world
     if op == "all_reduce":  # NCCL picks the faster of ring and tree
