@@ -92,6 +92,23 @@ def test_a_world_with_its_own_measured_curve_is_charged_by_it():
         assert collective_seconds(op, nbytes, 5, world, cluster) == collective_seconds(op, nbytes, 5, world, base)
 
 
+def test_the_nodes_link_comes_from_the_nodes_own_rank_count():
+    """Curves over more ranks than the node's (``--ranks 2 --ranks 4`` on two cores) serve their own world size
+    only: the link every other world size is charged by is fitted from the node's own curves, not inflated by
+    four ranks waiting on two cores (511 us per hop where two ranks gave 162, in a calibration here)."""
+    from tests.test_trace_ops import _calibration
+    from zbench.plan.calibrate.profile import derive
+    from zbench.plan.simulate.calibration import CollectiveCurve
+
+    def curve(ranks: int, latency_us: float) -> CollectiveCurve:
+        return CollectiveCurve(op="all_gather", ranks=ranks, latency_us=latency_us, bandwidth_gb_s=0.5,
+                               fit_error=0.0, points=[(4, 1e-4), (2**20, 3e-3)])  # fmt: skip
+
+    cal = _calibration().model_copy(update={"collectives": [curve(2, 100.0), curve(4, 5000.0)]})
+    profile = derive(cal, name="x", gpu="CPU", memory_gib=8, ranks_per_node=2, base=load("cpu-2core"))
+    assert profile.intra_node.latency_us == pytest.approx(100.0 / hops("all_gather", 2), abs=0.01)
+
+
 #: A profile as users wrote them before schema versions existed (h100-sxm's first file): still loads, as version 1.
 VERSION_1 = """\
 name: mine

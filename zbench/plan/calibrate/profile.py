@@ -38,10 +38,13 @@ def _links(cal: Calibration, base: Cluster | None) -> tuple[Link, Link, dict[str
             raise UsageError("one rank here: no collective could be measured; give --base PROFILE for the links")
         why = f"from the base profile {base.name} (one rank here: no collective measured)"
         return base.intra_node, base.inter_node, {"intra_node": why, "inter_node": why}
-    bandwidth = statistics.median(c.bandwidth_gb_s for c in cal.collectives)
-    latency = statistics.median(c.latency_us / hops(c.op, c.ranks) for c in cal.collectives)
+    # the node's own rank count: curves over more ranks (``--ranks`` repeated; on a CPU, more ranks than cores)
+    # serve their own world size (``Cluster.curve``), not the link every other world size is charged by
+    node = [c for c in cal.collectives if c.ranks == cal.ranks] or cal.collectives
+    bandwidth = statistics.median(c.bandwidth_gb_s for c in node)
+    latency = statistics.median(c.latency_us / hops(c.op, c.ranks) for c in node)
     link = Link(bandwidth_gb_s=round(bandwidth, 4), latency_us=round(latency, 2))
-    ops = ", ".join(c.op for c in cal.collectives)
+    ops = ", ".join(c.op for c in node)
     sources = {
         "intra_node": f"measured: {cal.backend} over {cal.ranks} ranks on this host; median of the alpha-beta fits "
         f"of {ops} (bandwidth; latency per hop)",
