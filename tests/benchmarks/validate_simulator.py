@@ -2,8 +2,9 @@
 then predict every case from its trace and each calibration, next to the earlier measured-compute model.
 
 ``python -m tests.benchmarks.validate_simulator --out docs/data/validate_simulator.json`` runs the suite below
-(``--models``, ``--worlds``, ``--implementations``, ``--precisions`` narrow or widen it), between two
-``zbench calibrate`` runs on the same machine, and prints per case the measured median step and the paired
+(``--models``, ``--worlds``, ``--implementations``, ``--precisions``, ``--checkpointing``, ``--offload`` narrow
+or widen it), between two ``zbench calibrate`` runs on the same machine (its collectives over every world size
+the suite runs), and prints per case the measured median step and the paired
 ratio to DDP next to each prediction, then the summary: median and worst |error| of the step time and of
 the ratio to DDP (DDP's own ratio, 1 by definition, left out), per implementation, and Kendall's tau between
 predicted and measured ratios. Nothing is fitted to the runs: the profiles come from microbenchmarks.
@@ -36,6 +37,8 @@ models: {models}
 implementations: {implementations}
 world_sizes: {worlds}
 precisions: {precisions}
+activation_checkpointing: {checkpointing}
+offload: {offload}
 steps: 8
 warmup_steps: 2
 micro_batch: 4
@@ -76,6 +79,8 @@ def main() -> None:
     parser.add_argument("--worlds", default="[1, 2, 4]")
     parser.add_argument("--implementations", default="[ddp, fsdp, torch_zero, zero1, zero2, zero3]")
     parser.add_argument("--precisions", default="[fp32]")
+    parser.add_argument("--checkpointing", default="[false]", help="activation checkpointing, e.g. [false, true]")
+    parser.add_argument("--offload", default="[none]", help="offload modes, e.g. [none, optimizer]")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
