@@ -157,7 +157,7 @@ def rank_probes() -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise OneLineError(f"the rank-environment probe (fresh pages, threads) failed: {last}")
+        raise OneLineError(f"the rank-environment probe (fresh pages, threads, host work) failed: {last}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from zbench.cases import registry
 from zbench.cases.models import GPT
 from zbench.plan.calibrate.timer import Timer
-from zbench.plan.simulate.calibration import Calibration, ImplementationOverhead
+from zbench.plan.simulate.calibration import Calibration, ImplementationOverhead, overhead_key
 from zbench.plan.simulate.compute import op_seconds
 from zbench.plan.trace.ops import OpLedger
 from zbench.presets import GPTConfig
@@ -38,10 +38,6 @@ PROBED = (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3), ("fsdp", 3), ("f
           ("fsdp1", 3), ("torch_zero", 1))  # fmt: skip
 DEPTHS = (2, 6)
 WIDTH, HEADS, VOCAB, TOKENS, BATCH = 32, 2, 128, 32, 4
-
-
-def key(implementation: str, stage: int) -> str:
-    return f"{implementation}-s{stage}"
 
 
 def _one(implementation: str, stage: int, blocks: int, timer: Timer) -> dict[str, Any]:
@@ -61,7 +57,7 @@ def _one(implementation: str, stage: int, blocks: int, timer: Timer) -> dict[str
             engine.step(batch)
             ops = [e for entries in ledger.take().values() for e in entries]
         seconds = timer.median_s(lambda: engine.step(batch))
-        return {"key": key(implementation, stage), "blocks": blocks, "seconds": seconds, "ops": ops}
+        return {"key": overhead_key(implementation, stage), "blocks": blocks, "seconds": seconds, "ops": ops}
     finally:
         engine.close()
 

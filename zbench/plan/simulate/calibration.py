@@ -57,6 +57,11 @@ class DiskProbe(_Frozen):
     cache_evicted: bool = Field(description="whether the page cache could be told to drop the file before reading")
 
 
+def overhead_key(implementation: str, stage: int) -> str:
+    """How ``Calibration.overheads`` names one implementation at one stage: ``fsdp-s3``."""
+    return f"{implementation}-s{stage}"
+
+
 class ImplementationOverhead(_Frozen):
     """One implementation's host work per step beyond its operators (``zbench.plan.calibrate.overheads``)."""
 

@@ -33,7 +33,7 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from zbench.cases.model_source import model_info
-from zbench.plan.simulate.calibration import Calibration, MatmulPoint
+from zbench.plan.simulate.calibration import Calibration, MatmulPoint, overhead_key
 
 if TYPE_CHECKING:
     from zbench.cases.case import Case
@@ -107,7 +107,7 @@ def phase_seconds(
 def implementation_seconds(cal: Calibration, implementation: str, stage: int, blocks: int) -> float:
     """The calibrated host work of ``implementation`` at ``stage`` beyond its operators, for a model of
     ``blocks`` blocks (0 where it was not measured: a GPU profile, a plug-in, an older calibration)."""
-    overhead = cal.overheads.get(f"{implementation}-s{stage}")
+    overhead = cal.overheads.get(overhead_key(implementation, stage))
     if overhead is None:
         return 0.0
     return max(0.0, (overhead.per_step_us + overhead.per_block_us * blocks) * 1e-6)

@@ -55,6 +55,10 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
 def _entry(key: _Key, count: int) -> dict[str, Any]:
     op, dtype, shapes, flops, nbytes, mapped = key
     return {
@@ -119,7 +123,7 @@ class OpLedger(TorchDispatchMode):
         flops = _cpu_attention_flops(func, args)
         if flops is None:
             flops = int(counter(*args, **kwargs, out_val=out)) if counter is not None else 0
-        dtype = str(first.dtype).removeprefix("torch.")
+        dtype = _dtype_name(first)
         shapes = tuple(tuple(t.shape) for t in _tensors((args, kwargs)))
         mapped = sum(n for n in map(_nbytes, fresh) if n >= CPU_MMAP_THRESHOLD_BYTES)
         name = str(func._overloadpacket).removeprefix("aten.")
@@ -128,17 +132,16 @@ class OpLedger(TorchDispatchMode):
     def _record_allocation(self, name: str, out: torch.Tensor) -> None:
         """A fresh empty tensor: nothing moved, but a large one is mapped on a CPU rank."""
         if (size := _nbytes(out)) >= CPU_MMAP_THRESHOLD_BYTES:
-            self._current[(name, str(out.dtype).removeprefix("torch."), (tuple(out.shape),), 0, 0, size)] += 1
+            self._current[(name, _dtype_name(out), (tuple(out.shape),), 0, 0, size)] += 1
 
 
 def _moved_bytes(
     func: Any, args: Any, kwargs: dict[str, Any], out: Any
 ) -> tuple[int, int, torch.Tensor | None, list[torch.Tensor]]:
     """``(bytes read, bytes written, the first tensor, the tensors it created)`` of one call, from its schema: an
-    argument marked as
-    written (``Tensor(a!)``: in place, or ``out=``) is written, and read too unless it is an ``out=``
-    argument; a returned tensor is written unless the schema says it aliases an argument (counted there).
-    So ``add_`` moves self twice and other once, ``add(out=)`` reads two and writes one, and
+    argument marked as written (``Tensor(a!)``: in place, or ``out=``) is written, and read too unless it is an
+    ``out=`` argument; a returned tensor is written unless the schema says it aliases an argument (counted
+    there). So ``add_`` moves self twice and other once, ``add(out=)`` reads two and writes one, and
     ``_foreach_add_`` writes its list, which it does not return."""
     schema = func._schema
     named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
