@@ -8,6 +8,7 @@ import math
 import pytest
 
 from zbench.plan.simulate.cluster import ClusterError, built_in_names, load
+from zbench.plan.simulate.compute import op_seconds
 from zbench.plan.simulate.step import collective_seconds, estimate
 
 H100 = load("h100-sxm")
@@ -83,6 +84,23 @@ def test_offload_adds_host_step_and_pcie_time():
     assert off.step_s == pytest.approx(plain.step_s + off.offload_s)
 
 
+def test_a_datasheet_profile_charges_each_operator_from_its_published_rates():
+    """h100-sxm's ``operators:``: a product at the achievable rate of its dtype, an elementwise operator at the
+    memory bandwidth, a tiny one at its launch; a profile without them has no operator rates (FLOPs x efficiency)."""
+    rates = H100.operator_rates()
+    figures = H100.operators
+    assert rates is not None and figures is not None
+    product = {"flops": 2e12, "bytes": 0, "dtype": "bfloat16", "count": 3}
+    assert op_seconds(product, rates, on_gpu=True) == pytest.approx(3 * 2e12 / (figures.matmul_tflops["bfloat16"] * 1e12))
+    fp32 = product | {"dtype": "float32"}
+    assert op_seconds(fp32, rates, on_gpu=True) == pytest.approx(3 * 2e12 / (figures.matmul_tflops["float32"] * 1e12))
+    norm = {"flops": 0, "bytes": 3e9, "dtype": "bfloat16", "count": 2}
+    assert op_seconds(norm, rates, on_gpu=True) == pytest.approx(2 * 3e9 / (figures.memory_gb_s * 1e9))
+    tiny = {"flops": 0, "bytes": 64, "dtype": "bfloat16", "count": 100}
+    assert op_seconds(tiny, rates, on_gpu=True) == pytest.approx(100 * figures.launch_us * 1e-6)
+    assert H100.model_copy(update={"operators": None}).operator_rates() is None
+
+
 def test_cluster_files_are_checked(tmp_path):
     assert {"h100-sxm", "a100-sxm", "rtx4090-pcie", "cpu-2core"} <= set(built_in_names())
     bad = tmp_path / "c.yaml"
@@ -106,6 +124,7 @@ def test_simulate_cli_sweeps_from_one_trace_and_says_where_hiding_stops(cli, tmp
         assert at[1024]["tokens_per_s_per_gpu"] < at[8]["tokens_per_s_per_gpu"]
         assert math.isclose(at[8]["step_s"], at[8]["compute_s"] + at[8]["exposed_comm_s"] + at[8]["offload_s"])
     assert rows["zero3"]["stops_hiding_at"] in (8, 1024)  # tiny: latency-bound, gathers cannot hide
+    assert {e["compute_model"] for row in rows.values() for e in row["estimates"]} == {"operators"}
 
 
 @pytest.mark.heavy

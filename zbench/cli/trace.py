@@ -214,11 +214,12 @@ def _print_simulation(rows: list[TracedRow], cluster: Cluster, req: TraceRequest
     sweep.add_column("implementation")
     for w in worlds:
         sweep.add_column(f"{w} GPUs", justify="right")
-    how = (
-        "compute: each traced operator at its calibrated cost"
-        if cluster.calibration is not None
-        else f"{cluster.efficiency:.0%} of {cluster.peak_tflops:g} TFLOP/s assumed"
-    )
+    if cluster.calibration is not None:
+        how = "compute: each traced operator at its calibrated cost"
+    elif cluster.operators is not None:
+        how = "compute: each traced operator at the datasheet's operator rates"
+    else:
+        how = f"{cluster.efficiency:.0%} of {cluster.peak_tflops:g} TFLOP/s assumed"
     detail = Table(title=f"at {gpus} GPUs ({how})")
     for col in ("implementation", "step", "compute", "exposed comm", "offload", "MFU", "comm / compute"):
         detail.add_column(col, justify="left" if col == "implementation" else "right")

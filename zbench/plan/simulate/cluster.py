@@ -8,7 +8,9 @@ built-in profiles live beside this module (``clusters/*.yaml``); a user's file i
 Profiles carry a schema version (``schema_version``; a file without one is version 1, the first layout, and
 loads as it always did). Version 2 adds ``sources`` (where each figure comes from: a datasheet, a published
 microbenchmark, an assumption, or a measurement) and, in profiles ``zbench calibrate`` writes, ``calibration``
-(the measured tables the figures were derived from, ``zbench.plan.simulate.calibration``).
+(the measured tables the figures were derived from, ``zbench.plan.simulate.calibration``). Version 3 adds
+``operators`` (published operator rates a datasheet profile charges each traced operator from,
+``zbench.plan.simulate.datasheet``).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from zbench.plan.simulate.calibration import Calibration, CollectiveCurve
+from zbench.plan.simulate.datasheet import DatasheetOperators, DatasheetRates
 
 BUILT_IN = Path(__file__).with_name("clusters")
 
 #: The newest profile layout this zbench reads and writes (the module docstring says what each adds).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class Link(BaseModel):
@@ -57,6 +60,16 @@ class Cluster(BaseModel):
         default_factory=dict, description="figure name -> where it comes from (datasheet, microbenchmark, ...)"
     )
     calibration: Calibration | None = Field(default=None, description="what `zbench calibrate` measured")
+    operators: DatasheetOperators | None = Field(
+        default=None, description="published operator rates, for a profile without a calibration"
+    )
+
+    def operator_rates(self) -> Calibration | DatasheetRates | None:
+        """What each traced operator is charged from: the calibration's tables, else the datasheet's rates, else
+        nothing (the step is then the FLOPs at ``efficiency`` of the peak)."""
+        if self.calibration is not None:
+            return self.calibration
+        return self.operators.rates(self.gpu) if self.operators else None
 
     @field_validator("schema_version")
     @classmethod

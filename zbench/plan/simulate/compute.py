@@ -1,4 +1,5 @@
-"""Compute time of a traced step, operator by operator, from a calibrated profile (``zbench calibrate``).
+"""Compute time of a traced step, operator by operator, from a calibrated profile (``zbench calibrate``) or a
+datasheet profile's published operator rates (``zbench.plan.simulate.datasheet``: one rate per dtype, one bandwidth).
 
 Each operator the trace recorded (``zbench.plan.trace.ops``) is charged:
 
@@ -34,12 +35,16 @@ from typing import TYPE_CHECKING, Any
 
 from zbench.cases.model_source import model_info
 from zbench.plan.simulate.calibration import Calibration, MatmulPoint, overhead_key
+from zbench.plan.simulate.datasheet import DatasheetRates
 
 if TYPE_CHECKING:
     from zbench.cases.case import Case
 
+#: Where operator rates come from: a calibration's measured tables or a datasheet's figures (same attributes).
+Rates = Calibration | DatasheetRates
 
-def _rate_table(cal: Calibration, dtype: str) -> list[tuple[float, float]]:
+
+def _rate_table(cal: Rates, dtype: str) -> list[tuple[float, float]]:
     """``(log FLOPs, FLOP/s)`` of the measured products in ``dtype`` (else the first dtype measured), sorted."""
     points: list[MatmulPoint] = [p for p in cal.matmul if p.dtype == dtype] or [
         p for p in cal.matmul if p.dtype == cal.matmul[0].dtype
@@ -47,7 +52,7 @@ def _rate_table(cal: Calibration, dtype: str) -> list[tuple[float, float]]:
     return sorted((math.log(2 * p.m * p.k * p.n), p.tflops * 1e12) for p in points)
 
 
-def flop_rate(cal: Calibration, dtype: str, flops: float) -> float:
+def flop_rate(cal: Rates, dtype: str, flops: float) -> float:
     """FLOP/s for one operator of ``flops`` in ``dtype``: interpolated between measured products of nearby size."""
     table = _rate_table(cal, dtype)
     x = math.log(max(flops, 1.0))
@@ -61,11 +66,11 @@ def flop_rate(cal: Calibration, dtype: str, flops: float) -> float:
     return r0 + (r1 - r0) * (x - x0) / (x1 - x0) if x1 > x0 else max(r0, r1)
 
 
-def memory_bandwidth(cal: Calibration) -> float:
+def memory_bandwidth(cal: Rates) -> float:
     return statistics.median(b.gb_s for b in cal.memory_bound) * 1e9
 
 
-def op_seconds(entry: dict[str, Any], cal: Calibration, *, on_gpu: bool, work_scale: float = 1.0) -> float:
+def op_seconds(entry: dict[str, Any], cal: Rates, *, on_gpu: bool, work_scale: float = 1.0) -> float:
     """One traced entry (``count`` identical calls) charged as the module docstring says; ``work_scale`` scales
     the work (FLOPs or bytes) of each call, never its dispatch cost."""
     if entry["flops"] > 0:
@@ -81,7 +86,7 @@ def op_seconds(entry: dict[str, Any], cal: Calibration, *, on_gpu: bool, work_sc
 
 def phase_seconds(
     ops: dict[str, list[dict[str, Any]]],
-    cal: Calibration,
+    cal: Rates,
     *,
     traced_world: int,
     world: int,
@@ -104,7 +109,7 @@ def phase_seconds(
     return out
 
 
-def implementation_seconds(cal: Calibration, implementation: str, stage: int, blocks: int) -> float:
+def implementation_seconds(cal: Rates, implementation: str, stage: int, blocks: int) -> float:
     """The calibrated host work of ``implementation`` at ``stage`` beyond its operators, for a model of
     ``blocks`` blocks (0 where it was not measured: a GPU profile, a plug-in, an older calibration)."""
     overhead = cal.overheads.get(overhead_key(implementation, stage))
@@ -114,7 +119,7 @@ def implementation_seconds(cal: Calibration, implementation: str, stage: int, bl
 
 
 def case_phase_seconds(
-    ops: dict[str, list[dict[str, Any]]], cal: Calibration, case: Case, *, world: int
+    ops: dict[str, list[dict[str, Any]]], cal: Rates, case: Case, *, world: int
 ) -> dict[str, float]:
     """``phase_seconds`` of one traced case at ``world`` ranks, its implementation's host work included."""
     out = phase_seconds(

@@ -42,10 +42,12 @@ class SimulatedRow:
 
 
 def operator_compute(row: TracedRow, cluster: Cluster, world: int) -> dict[str, float] | None:
-    """Compute per phase from the traced operators where the profile is calibrated and the trace has them."""
-    if cluster.calibration is None or not row.trace.ops:
+    """Compute per phase from the traced operators where the profile has operator rates (calibrated, or a
+    datasheet's ``operators:``) and the trace has the operators."""
+    rates = cluster.operator_rates()
+    if rates is None or not row.trace.ops:
         return None
-    return case_phase_seconds(row.trace.ops, cluster.calibration, row.case, world=world)
+    return case_phase_seconds(row.trace.ops, rates, row.case, world=world)
 
 
 def simulate(rows: list[TracedRow], cluster: Cluster, scales: list[int]) -> list[SimulatedRow]:
