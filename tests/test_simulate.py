@@ -85,18 +85,21 @@ def test_offload_adds_host_step_and_pcie_time():
 
 
 def test_a_datasheet_profile_charges_each_operator_from_its_published_rates():
-    """h100-sxm's ``operators:``: a product at the achievable rate of its dtype, an elementwise operator at the
-    memory bandwidth, a tiny one at its launch; a profile without them has no operator rates (FLOPs x efficiency)."""
+    """h100-sxm's ``operators:``: a product at the achievable rate of its dtype, fused attention at its kernel's
+    quoted rate, an elementwise operator at the memory bandwidth, a tiny one at its launch; a profile without them has no operator rates (FLOPs x efficiency)."""
     rates = H100.operator_rates()
     figures = H100.operators
     assert rates is not None and figures is not None
-    product = {"flops": 2e12, "bytes": 0, "dtype": "bfloat16", "count": 3}
+    product = {"op": "mm", "flops": 2e12, "bytes": 0, "dtype": "bfloat16", "count": 3}
     assert op_seconds(product, rates, on_gpu=True) == pytest.approx(3 * 2e12 / (figures.matmul_tflops["bfloat16"] * 1e12))
     fp32 = product | {"dtype": "float32"}
     assert op_seconds(fp32, rates, on_gpu=True) == pytest.approx(3 * 2e12 / (figures.matmul_tflops["float32"] * 1e12))
-    norm = {"flops": 0, "bytes": 3e9, "dtype": "bfloat16", "count": 2}
+    attention = product | {"op": "_scaled_dot_product_flash_attention_for_cpu"}
+    assert op_seconds(attention, rates, on_gpu=True) == pytest.approx(3 * 2e12 / (figures.attention_tflops * 1e12))
+    assert figures.attention_tflops < figures.matmul_tflops["bfloat16"]
+    norm = {"op": "native_layer_norm", "flops": 0, "bytes": 3e9, "dtype": "bfloat16", "count": 2}
     assert op_seconds(norm, rates, on_gpu=True) == pytest.approx(2 * 3e9 / (figures.memory_gb_s * 1e9))
-    tiny = {"flops": 0, "bytes": 64, "dtype": "bfloat16", "count": 100}
+    tiny = {"op": "add", "flops": 0, "bytes": 64, "dtype": "bfloat16", "count": 100}
     assert op_seconds(tiny, rates, on_gpu=True) == pytest.approx(100 * figures.launch_us * 1e-6)
     assert H100.model_copy(update={"operators": None}).operator_rates() is None
 

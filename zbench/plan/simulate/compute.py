@@ -4,7 +4,8 @@ datasheet profile's published operator rates (``zbench.plan.simulate.datasheet``
 Each operator the trace recorded (``zbench.plan.trace.ops``) is charged:
 
 - if it has FLOPs (matrix products, attention): its FLOPs at the rate the calibration measured for matrix
-  products of that dtype and of about that size (linear in log FLOPs between the measured points, the
+  products of that dtype and of about that size (fused attention at its kernel's quoted rate where a datasheet
+  profile gives one) (linear in log FLOPs between the measured points, the
   nearest point's rate beyond them; the training dtype's table where its own was not measured);
 - otherwise: the bytes it reads and writes at the measured memory bandwidth (the median of ``copy`` and
   ``add``);
@@ -66,6 +67,13 @@ def flop_rate(cal: Rates, dtype: str, flops: float) -> float:
     return r0 + (r1 - r0) * (x - x0) / (x1 - x0) if x1 > x0 else max(r0, r1)
 
 
+def attention_rate(cal: Rates, op: str) -> float | None:
+    """FLOP/s of a fused attention operator where the profile quotes its kernel's own rate (a datasheet profile's
+    ``attention_tflops``), else None: charged as a matrix product of its FLOPs."""
+    quoted = getattr(cal, "attention_tflops", None)
+    return quoted * 1e12 if quoted and "attention" in op else None
+
+
 def memory_bandwidth(cal: Rates) -> float:
     return statistics.median(b.gb_s for b in cal.memory_bound) * 1e9
 
@@ -74,7 +82,7 @@ def op_seconds(entry: dict[str, Any], cal: Rates, *, on_gpu: bool, work_scale: f
     """One traced entry (``count`` identical calls) charged as the module docstring says; ``work_scale`` scales
     the work (FLOPs or bytes) of each call, never its dispatch cost."""
     if entry["flops"] > 0:
-        work = entry["flops"] / flop_rate(cal, entry["dtype"], entry["flops"])
+        work = entry["flops"] / (attention_rate(cal, entry["op"]) or flop_rate(cal, entry["dtype"], entry["flops"]))
     else:
         work = entry["bytes"] / memory_bandwidth(cal)
     if not on_gpu and cal.mapped_gb_s:

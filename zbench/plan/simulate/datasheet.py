@@ -6,11 +6,13 @@ A profile ``zbench calibrate`` wrote carries measured tables (``zbench.plan.simu
 peak (``efficiency``), which charges a norm, an activation or a copy as if it were a matrix product. With
 ``operators:`` each traced operator is charged as a calibrated profile would charge it, from three published
 figures: the achievable matrix-product rate per dtype (a microbenchmark such as ml-engineering's maximum
-achievable matmul FLOPS, at its best shape), the achievable device-memory bandwidth (memory-bound operators),
-and the host's time to launch one operator (a GPU runs the larger of an operator's work and its launch).
+achievable matmul FLOPS, at its best shape), the rate a fused attention kernel reaches (its own published
+utilisation: FlashAttention-2 reaches far less of an H100's peak than a plain product does), the achievable
+device-memory bandwidth (memory-bound operators), and the host's time to launch one operator (a GPU runs the
+larger of an operator's work and its launch).
 
-What it cannot see: matrix products of awkward shapes run slower than the best shape; fused attention reaches
-less than a plain product; power caps and clocks below the datasheet's. The validation against published runs
+What it cannot see: matrix products of awkward shapes run slower than the best shape; power caps and clocks
+below the datasheet's; a newer attention kernel than the one whose utilisation the profile quotes. The validation against published runs
 (docs/data/validate_published.json) says what that leaves.
 """
 
@@ -32,6 +34,10 @@ class DatasheetOperators(BaseModel):
         description="achievable dense matrix-product rate by dtype (torch's name: bfloat16, float32), 10^12 FLOP/s"
     )
     matmul_shape: tuple[int, int, int] = Field(description="the (m, k, n) the matrix-product rate was measured at")
+    attention_tflops: float | None = Field(
+        default=None, gt=0, description="a fused attention kernel's rate (forward and backward), 10^12 FLOP/s; "
+        "none: attention at the matrix-product rate"
+    )
     memory_gb_s: float = Field(gt=0, description="achievable device-memory bandwidth, bytes read + written, 10^9/s")
     launch_us: float = Field(ge=0, description="host time to launch one operator, microseconds")
 
@@ -42,17 +48,20 @@ class DatasheetOperators(BaseModel):
             matmul=[MatmulPoint(m=m, k=k, n=n, dtype=dtype, tflops=t) for dtype, t in self.matmul_tflops.items()],
             memory_bound=[BandwidthPoint(op="copy", bytes=1, gb_s=self.memory_gb_s)],
             op_call_us=self.launch_us,
+            attention_tflops=self.attention_tflops,
         )
 
 
 @dataclass(frozen=True)
 class DatasheetRates:
     """The figures ``zbench.plan.simulate.compute`` reads from a calibration, filled from a datasheet: one rate per
-    dtype at every size, one bandwidth, no host mapping cost and no measured implementation overheads."""
+    dtype at every size, attention's own rate, one bandwidth, no host mapping cost and no measured implementation
+    overheads."""
 
     device: str
     matmul: list[MatmulPoint]
     memory_bound: list[BandwidthPoint]
     op_call_us: float
+    attention_tflops: float | None = None
     mapped_gb_s: float | None = None
     overheads: dict[str, ImplementationOverhead] = field(default_factory=dict)
