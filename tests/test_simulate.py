@@ -86,12 +86,14 @@ def test_offload_adds_host_step_and_pcie_time():
 
 def test_a_datasheet_profile_charges_each_operator_from_its_published_rates():
     """h100-sxm's ``operators:``: a product at the achievable rate of its dtype, fused attention at its kernel's
-    quoted rate, an elementwise operator at the memory bandwidth, a tiny one at its launch; a profile without them has no operator rates (FLOPs x efficiency)."""
+    quoted rate, an elementwise operator at the memory bandwidth, a tiny one at its launch; a profile without
+    them has no operator rates (FLOPs x efficiency)."""
     rates = H100.operator_rates()
     figures = H100.operators
     assert rates is not None and figures is not None
     product = {"op": "mm", "flops": 2e12, "bytes": 0, "dtype": "bfloat16", "count": 3}
-    assert op_seconds(product, rates, on_gpu=True) == pytest.approx(3 * 2e12 / (figures.matmul_tflops["bfloat16"] * 1e12))
+    bf16_rate = figures.matmul_tflops["bfloat16"] * 1e12
+    assert op_seconds(product, rates, on_gpu=True) == pytest.approx(3 * 2e12 / bf16_rate)
     fp32 = product | {"dtype": "float32"}
     assert op_seconds(fp32, rates, on_gpu=True) == pytest.approx(3 * 2e12 / (figures.matmul_tflops["float32"] * 1e12))
     attention = product | {"op": "_scaled_dot_product_flash_attention_for_cpu"}

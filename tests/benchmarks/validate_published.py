@@ -118,10 +118,12 @@ def main() -> None:
             for p in (r["operators"], r["peak_x_efficiency"])
         ]
         print(f"{r['id']:<9} {r['model']:<14} {r['cluster']:<9} {r['gpus']:>4} GPUs "
-              f"{r['published_tokens_per_s_per_gpu']:>8,} published; operators {shown[0]}; peak x efficiency {shown[1]}")
+              f"{r['published_tokens_per_s_per_gpu']:>8,} published; operators {shown[0]}; "
+              f"peak x efficiency {shown[1]}")
     summary = {model: summarise(predicted, model) for model in ("operators", "peak_x_efficiency")}
     for model, s in summary.items():
-        print(model, json.dumps(s["all"]), "by source", {k: round(v["median_abs"], 3) for k, v in s["by_source"].items()})
+        by_source = {k: round(v["median_abs"], 3) for k, v in s["by_source"].items()}
+        print(model, json.dumps(s["all"]), "by source", by_source)
     args.out.write_text(json.dumps({"rows_file": str(args.rows.name), "summary": summary, "rows": predicted}, indent=1))
 
 

@@ -3,9 +3,10 @@ then predict every case from its trace and each calibration, next to the earlier
 
 ``python -m tests.benchmarks.validate_simulator --out docs/data/validate_simulator.json`` runs the suite below
 (``--models``, ``--worlds``, ``--implementations``, ``--precisions``, ``--checkpointing``, ``--offload`` narrow
-or widen it), between two ``zbench calibrate`` runs on the same machine (its collectives over every world size
-the suite runs), and prints per case the measured median step and the paired
-ratio to DDP next to each prediction, then the summary: median and worst |error| of the step time and of
+or widen it) ``--repeats`` times, between two ``zbench calibrate`` runs on the same machine (its collectives
+over every world size the suite runs), and prints per case the median over the repeats of the measured median
+step (with the repeats' spread, slowest over fastest) and of the paired ratio to DDP next to each prediction,
+then the summary: median and worst |error| of the step time and of
 the ratio to DDP (DDP's own ratio, 1 by definition, left out), per implementation, and Kendall's tau between
 predicted and measured ratios. Nothing is fitted to the runs: the profiles come from microbenchmarks.
 """
@@ -58,6 +59,25 @@ def stats(values: list[float]) -> dict[str, float]:
     return {"cases": len(absolute), "median_abs": statistics.median(absolute), "worst_abs": max(absolute)}
 
 
+def over_repeats(runs: list[list[CalibratedPrediction]]) -> tuple[list[CalibratedPrediction], dict[str, float]]:
+    """Each case's prediction (the same in every repeat: one trace, one profile) against the median of its
+    repeats' measured step and paired ratio, and the repeats' spread of the step (slowest / fastest)."""
+    by_case: dict[str, list[CalibratedPrediction]] = {}
+    for run in runs:
+        for p in run:
+            by_case.setdefault(p.case_id, []).append(p)
+    combined, spread = [], {}
+    for case_id, repeats in by_case.items():
+        steps = [p.measured_s for p in repeats]
+        ratios = [p.measured_ratio for p in repeats if p.measured_ratio is not None]
+        combined.append(repeats[0].model_copy(update={
+            "measured_s": statistics.median(steps),
+            "measured_ratio": statistics.median(ratios) if ratios else None,
+        }))  # fmt: skip
+        spread[case_id] = max(steps) / min(steps)
+    return combined, spread
+
+
 def summarise(predictions: list[CalibratedPrediction]) -> dict[str, Any]:
     others = [p for p in predictions if p.implementation != "ddp"]
     ratios = [p for p in others if p.ratio_error is not None]
@@ -81,6 +101,7 @@ def main() -> None:
     parser.add_argument("--precisions", default="[fp32]")
     parser.add_argument("--checkpointing", default="[false]", help="activation checkpointing, e.g. [false, true]")
     parser.add_argument("--offload", default="[none]", help="offload modes, e.g. [none, optimizer]")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the suite; each case's median over them")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
@@ -89,26 +110,34 @@ def main() -> None:
         # the collectives over every world size the suite runs (four ranks on two cores wait on each other)
         ranks = [arg for w in yaml.safe_load(args.worlds) if w > 1 for arg in ("--ranks", str(w))]
         zbench("calibrate", *ranks, "--out", str(tmp / "before.yaml"))
-        zbench("run", str(tmp / "suite.yaml"), "--results", str(tmp / "r"), "--report", str(tmp / "rep"))
+        for i in range(args.repeats):
+            zbench("run", str(tmp / "suite.yaml"), "--results", str(tmp / f"r{i}"), "--report", str(tmp / "rep"))
         zbench("calibrate", *ranks, "--out", str(tmp / "after.yaml"))
-        run = next((tmp / "r").iterdir())
-        records = RunDir(run.parent, run.name).cases()
-        traced = trace_records(records, progress=lambda line: print(line, file=sys.stderr))
+        repeats = []
+        for i in range(args.repeats):
+            run = next((tmp / f"r{i}").iterdir())
+            repeats.append(RunDir(run.parent, run.name).cases())
+        traced = trace_records(repeats[0], progress=lambda line: print(line, file=sys.stderr))
         cores = os.cpu_count() or 1  # as zbench.rank.worker counts them
         profiles = {name: load(str(tmp / f"{name}.yaml")) for name in ("before", "after")}
-        results = {name: predict_calibrated(records, traced, p, cores=cores) for name, p in profiles.items()}
-        baseline = predict(records, traced)
-    print("| case | measured ms | before ms | after ms | measured ratio | predicted ratio (before) |")
+        results, spread = {}, {}
+        for name, p in profiles.items():
+            results[name], spread = over_repeats([predict_calibrated(r, traced, p, cores=cores) for r in repeats])
+        baseline = predict(repeats[0], traced)
+    print("| case | measured ms (repeats' spread) | before ms | after ms | measured ratio | predicted ratio (before) |")
     print("|---|---:|---:|---:|---:|---:|")
     after = {p.case_id: p for p in results["after"]}
     for p in results["before"]:
         q = after[p.case_id]
         ratio = "" if p.measured_ratio is None else f"{p.measured_ratio:.2f}"
         pred = "" if p.predicted_ratio is None else f"{p.predicted_ratio:.2f}"
-        print(f"| {p.case_id} | {p.measured_s * 1e3:.1f} | {p.predicted_s * 1e3:.1f} ({p.error:+.0%}) | "
+        print(f"| {p.case_id} | {p.measured_s * 1e3:.1f} ({spread[p.case_id]:.2f}x) | "
+              f"{p.predicted_s * 1e3:.1f} ({p.error:+.0%}) | "
               f"{q.predicted_s * 1e3:.1f} ({q.error:+.0%}) | {ratio} | {pred} |")  # fmt: skip
     document = {
         "summary": {name: summarise(preds) for name, preds in results.items()},
+        "repeats": args.repeats,
+        "repeat_spread": {"median": statistics.median(spread.values()), "worst": max(spread.values()), "cases": spread},
         "baseline_measured_compute": stats([b.error for b in baseline if b.implementation != "ddp"]),
         "profiles": {name: p.model_dump(mode="json", exclude_none=True) for name, p in profiles.items()},
         "cases": {name: [p.model_dump() for p in preds] for name, preds in results.items()},

@@ -11,9 +11,10 @@ utilisation: FlashAttention-2 reaches far less of an H100's peak than a plain pr
 device-memory bandwidth (memory-bound operators), and the host's time to launch one operator (a GPU runs the
 larger of an operator's work and its launch).
 
-What it cannot see: matrix products of awkward shapes run slower than the best shape; power caps and clocks
-below the datasheet's; a newer attention kernel than the one whose utilisation the profile quotes. The validation against published runs
-(docs/data/validate_published.json) says what that leaves.
+What it cannot see: matrix products of awkward shapes run slower than the best shape; communication kernels take
+processors from the compute they overlap; power caps and clocks below the datasheet's; a newer attention kernel
+than the one whose utilisation the profile quotes. Against 46 published runs every prediction was too fast, by
+29% (median; docs/data/validate_published.json, docs/methods.md "Against published GPU runs").
 """
 
 from __future__ import annotations
