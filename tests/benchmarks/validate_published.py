@@ -47,19 +47,39 @@ def predict_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, (key, members) in enumerate(groups.items(), 1):
         model, implementation, stage, micro_batch, seq_len, checkpointing = key
-        print(f"[{i}/{len(groups)}] tracing {model} {implementation} stage {stage} micro-batch {micro_batch} "
-              f"x {seq_len}{' checkpointing' if checkpointing else ''}", file=sys.stderr, flush=True)
+        print(
+            f"[{i}/{len(groups)}] tracing {model} {implementation} stage {stage} micro-batch {micro_batch} "
+            f"x {seq_len}{' checkpointing' if checkpointing else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
         started = time.perf_counter()
-        case = make_case(model, implementation, stage, "none", gpus=TRACED_AT, precision="bf16",
-                         micro_batch=micro_batch, seq_len=seq_len, device=device, checkpointing=checkpointing)
+        case = make_case(
+            model,
+            implementation,
+            stage,
+            "none",
+            gpus=TRACED_AT,
+            precision="bf16",
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            device=device,
+            checkpointing=checkpointing,
+        )
         (traced,) = trace_plan([case], device=device)
         trace_s = time.perf_counter() - started
         for row in members:
             cluster = load(row["cluster"])
             (by_operators,) = simulate([traced], cluster, [row["gpus"]])
             (by_efficiency,) = simulate([traced], cluster.model_copy(update={"operators": None}), [row["gpus"]])
-            out.append({**row, "trace_s": round(trace_s, 1), "operators": prediction(row, by_operators),
-                        "peak_x_efficiency": prediction(row, by_efficiency)})
+            out.append(
+                {
+                    **row,
+                    "trace_s": round(trace_s, 1),
+                    "operators": prediction(row, by_operators),
+                    "peak_x_efficiency": prediction(row, by_efficiency),
+                }
+            )
     return sorted(out, key=lambda r: [row["id"] for row in rows].index(r["id"]))
 
 
@@ -117,9 +137,11 @@ def main() -> None:
             f"{p['predicted_tokens_per_s_per_gpu']:>8,.0f} {p['error']:+7.1%}" if "error" in p else p["trace_error"]
             for p in (r["operators"], r["peak_x_efficiency"])
         ]
-        print(f"{r['id']:<9} {r['model']:<14} {r['cluster']:<9} {r['gpus']:>4} GPUs "
-              f"{r['published_tokens_per_s_per_gpu']:>8,} published; operators {shown[0]}; "
-              f"peak x efficiency {shown[1]}")
+        print(
+            f"{r['id']:<9} {r['model']:<14} {r['cluster']:<9} {r['gpus']:>4} GPUs "
+            f"{r['published_tokens_per_s_per_gpu']:>8,} published; operators {shown[0]}; "
+            f"peak x efficiency {shown[1]}"
+        )
     summary = {model: summarise(predicted, model) for model in ("operators", "peak_x_efficiency")}
     for model, s in summary.items():
         by_source = {k: round(v["median_abs"], 3) for k, v in s["by_source"].items()}

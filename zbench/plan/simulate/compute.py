@@ -126,9 +126,7 @@ def implementation_seconds(cal: Rates, implementation: str, stage: int, blocks: 
     return max(0.0, (overhead.per_step_us + overhead.per_block_us * blocks) * 1e-6)
 
 
-def case_phase_seconds(
-    ops: dict[str, list[dict[str, Any]]], cal: Rates, case: Case, *, world: int
-) -> dict[str, float]:
+def case_phase_seconds(ops: dict[str, list[dict[str, Any]]], cal: Rates, case: Case, *, world: int) -> dict[str, float]:
     """``phase_seconds`` of one traced case at ``world`` ranks, its implementation's host work included."""
     out = phase_seconds(
         ops, cal, traced_world=case.world_size, world=world, sharded_step=case.stage >= 1, offload=case.offload

@@ -36,8 +36,10 @@ class DatasheetOperators(BaseModel):
     )
     matmul_shape: tuple[int, int, int] = Field(description="the (m, k, n) the matrix-product rate was measured at")
     attention_tflops: float | None = Field(
-        default=None, gt=0, description="a fused attention kernel's rate (forward and backward), 10^12 FLOP/s; "
-        "none: attention at the matrix-product rate"
+        default=None,
+        gt=0,
+        description="a fused attention kernel's rate (forward and backward), 10^12 FLOP/s; "
+        "none: attention at the matrix-product rate",
     )
     memory_gb_s: float = Field(gt=0, description="achievable device-memory bandwidth, bytes read + written, 10^9/s")
     launch_us: float = Field(ge=0, description="host time to launch one operator, microseconds")
