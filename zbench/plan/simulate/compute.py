@@ -4,9 +4,9 @@ datasheet profile's published operator rates (``zbench.plan.simulate.datasheet``
 Each operator the trace recorded (``zbench.plan.trace.ops``) is charged:
 
 - if it has FLOPs (matrix products, attention): its FLOPs at the rate the calibration measured for matrix
-  products of that dtype and of about that size (fused attention at its kernel's quoted rate where a datasheet
-  profile gives one) (linear in log FLOPs between the measured points, the
-  nearest point's rate beyond them; the training dtype's table where its own was not measured);
+  products of that dtype and of about that size (linear in log FLOPs between the measured points, the
+  nearest point's rate beyond them; the training dtype's table where its own was not measured); fused attention
+  at its kernel's own rate where a datasheet profile quotes one;
 - otherwise: the bytes it reads and writes at the measured memory bandwidth (the median of ``copy`` and
   ``add``);
 - on a CPU, the bytes of the large tensors it creates at the rate a rank maps fresh pages (``mapped_gb_s``:
@@ -70,8 +70,9 @@ def flop_rate(cal: Rates, dtype: str, flops: float) -> float:
 def attention_rate(cal: Rates, op: str) -> float | None:
     """FLOP/s of a fused attention operator where the profile quotes its kernel's own rate (a datasheet profile's
     ``attention_tflops``), else None: charged as a matrix product of its FLOPs."""
-    quoted = getattr(cal, "attention_tflops", None)
-    return quoted * 1e12 if quoted and "attention" in op else None
+    if isinstance(cal, DatasheetRates) and cal.attention_tflops and "attention" in op:
+        return cal.attention_tflops * 1e12
+    return None
 
 
 def memory_bandwidth(cal: Rates) -> float:
