@@ -122,7 +122,9 @@ def test_simulate_cli_sweeps_from_one_trace_and_says_where_hiding_stops(cli, tmp
     r = cli("plan", "--simulate", str(own), "--model", "tiny", "-i", "zero3", "-i", "ddp", "-o", "none",
             "--scale", "8", "--scale", "1024", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    rows = {row["implementation"]: row for row in json.loads(r.stdout)["rows"]}
+    document = json.loads(r.stdout)
+    assert "46 published" in document["measured_error"]  # a datasheet profile's predictions, with their error
+    rows = {row["implementation"]: row for row in document["rows"]}
     for row in rows.values():
         assert row["error"] is None and row["traced_at"] == 8
         at = {e["world"]: e for e in row["estimates"]}

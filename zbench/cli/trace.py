@@ -201,25 +201,30 @@ def _trace_cells(r: TracedRow, req: TraceRequest, dev: str) -> list[str]:
 
 def _print_simulation(rows: list[TracedRow], cluster: Cluster, req: TraceRequest) -> None:
     """The ``--simulate`` sweep: tokens/s per GPU at each world size, then the detail at ``--gpus``."""
-    from zbench.plan.simulate.sweep import DEFAULT_SCALES, simulate
+    from zbench.plan.simulate.sweep import DEFAULT_SCALES, MEASURED_ERROR, compute_model, simulate
 
     gpus = req.gpus
     worlds = sorted(set(req.scales or DEFAULT_SCALES) | {gpus})
     sims = simulate(rows, cluster, worlds)
     if req.as_json:
-        document = {"model": req.model, "cluster": cluster.model_dump(), "rows": [r.to_json() for r in sims]}
+        document = {
+            "model": req.model,
+            "cluster": cluster.model_dump(),
+            "measured_error": MEASURED_ERROR[compute_model(cluster)],
+            "rows": [r.to_json() for r in sims],
+        }
         print(json.dumps(document, indent=1))
         return
     sweep = Table(title=f"{req.model} on {cluster.description or cluster.name}: predicted tokens/s per GPU")
     sweep.add_column("implementation")
     for w in worlds:
         sweep.add_column(f"{w} GPUs", justify="right")
-    if cluster.calibration is not None:
-        how = "compute: each traced operator at its calibrated cost"
-    elif cluster.operators is not None:
-        how = "compute: each traced operator at the datasheet's operator rates"
-    else:
-        how = f"{cluster.efficiency:.0%} of {cluster.peak_tflops:g} TFLOP/s assumed"
+    model = compute_model(cluster)
+    how = {
+        "calibrated": "compute: each traced operator at its calibrated cost",
+        "datasheet": "compute: each traced operator at the datasheet's operator rates",
+        "efficiency": f"{cluster.efficiency:.0%} of {cluster.peak_tflops:g} TFLOP/s assumed",
+    }[model]
     detail = Table(title=f"at {gpus} GPUs ({how})")
     for col in ("implementation", "step", "compute", "exposed comm", "offload", "MFU", "comm / compute"):
         detail.add_column(col, justify="left" if col == "implementation" else "right")
@@ -239,6 +244,7 @@ def _print_simulation(rows: list[TracedRow], cluster: Cluster, req: TraceRequest
             notes.append(f"{sim.name}: communication stops hiding behind compute at {stop} GPUs")
     if cluster.overlap == 0:
         notes.append(f"{cluster.name}: overlap 0, so no communication is assumed hidden behind compute")
+    notes.append(MEASURED_ERROR[model])
     out = stdout()
     for table in (sweep, detail):
         out.print(table)
