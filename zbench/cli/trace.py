@@ -201,7 +201,7 @@ def _trace_cells(r: TracedRow, req: TraceRequest, dev: str) -> list[str]:
 
 def _print_simulation(rows: list[TracedRow], cluster: Cluster, req: TraceRequest) -> None:
     """The ``--simulate`` sweep: tokens/s per GPU at each world size, then the detail at ``--gpus``."""
-    from zbench.plan.simulate.sweep import DEFAULT_SCALES, MEASURED_ERROR, compute_model, simulate
+    from zbench.plan.simulate.sweep import DEFAULT_SCALES, MEASURED_ERROR, simulate
 
     gpus = req.gpus
     worlds = sorted(set(req.scales or DEFAULT_SCALES) | {gpus})
@@ -210,7 +210,7 @@ def _print_simulation(rows: list[TracedRow], cluster: Cluster, req: TraceRequest
         document = {
             "model": req.model,
             "cluster": cluster.model_dump(),
-            "measured_error": MEASURED_ERROR[compute_model(cluster)],
+            "measured_error": MEASURED_ERROR[cluster.compute_model()],
             "rows": [r.to_json() for r in sims],
         }
         print(json.dumps(document, indent=1))
@@ -219,7 +219,7 @@ def _print_simulation(rows: list[TracedRow], cluster: Cluster, req: TraceRequest
     sweep.add_column("implementation")
     for w in worlds:
         sweep.add_column(f"{w} GPUs", justify="right")
-    model = compute_model(cluster)
+    model = cluster.compute_model()
     how = {
         "calibrated": "compute: each traced operator at its calibrated cost",
         "datasheet": "compute: each traced operator at the datasheet's operator rates",

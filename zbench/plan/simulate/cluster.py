@@ -64,12 +64,19 @@ class Cluster(BaseModel):
         default=None, description="published operator rates, for a profile without a calibration"
     )
 
-    def operator_rates(self) -> Calibration | DatasheetRates | None:
-        """What each traced operator is charged from: the calibration's tables, else the datasheet's rates, else
-        nothing (the step is then the FLOPs at ``efficiency`` of the peak)."""
+    def compute_model(self) -> str:
+        """Which compute model this profile's predictions use: ``calibrated`` (the calibration's tables),
+        ``datasheet`` (the published operator rates) or ``efficiency`` (the FLOPs at ``efficiency`` of the peak)."""
         if self.calibration is not None:
+            return "calibrated"
+        return "datasheet" if self.operators is not None else "efficiency"
+
+    def operator_rates(self) -> Calibration | DatasheetRates | None:
+        """What each traced operator is charged from, as ``compute_model`` says; None for ``efficiency``."""
+        model = self.compute_model()
+        if model == "calibrated":
             return self.calibration
-        return self.operators.rates(self.gpu) if self.operators else None
+        return self.operators.rates(self.gpu) if model == "datasheet" and self.operators else None
 
     @field_validator("schema_version")
     @classmethod

@@ -14,8 +14,8 @@ from zbench.plan.trace.plan import TracedRow
 #: The sweep ``--simulate`` runs unless told: one node to 128 nodes of 8.
 DEFAULT_SCALES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
-#: What each compute model's predictions measured against runs they were not fitted to, shown beside them
-#: (docs/methods.md#simulation; each figure with its date, machines and data file).
+#: What each compute model's predictions (``Cluster.compute_model``) measured against runs they were not fitted
+#: to, shown beside them (docs/methods.md#simulation; each figure with its date, machines and data file).
 MEASURED_ERROR = {
     "calibrated": "measured error on a calibrated CPU profile: step time median 18%, worst 53%; ratio to DDP "
     "median 6.1%, worst 26% (42 runs, tiny to medium, worlds 1-2, the 2-core CPU machine, 2026-11-27; "
@@ -26,13 +26,6 @@ MEASURED_ERROR = {
     "efficiency": "measured error of FLOPs at an assumed efficiency: against the same 46 published runs, median "
     "|error| 26%, worst 70%, either sign (2026-11-27, docs/data/validate_published.json)",
 }
-
-
-def compute_model(cluster: Cluster) -> str:
-    """Which compute model a profile's predictions use: ``calibrated``, ``datasheet`` or ``efficiency``."""
-    if cluster.calibration is not None:
-        return "calibrated"
-    return "datasheet" if cluster.operators is not None else "efficiency"
 
 
 @dataclass
