@@ -27,7 +27,7 @@ import yaml
 
 from zbench.plan.simulate.cluster import load
 from zbench.plan.simulate.sweep import simulate
-from zbench.plan.trace.plan import default_device, make_case, trace_plan
+from zbench.plan.trace.plan import TracedRow, default_device, make_case, trace_plan
 
 ROWS = Path(__file__).resolve().parents[2] / "docs" / "data" / "published_rows_to_predict.yaml"
 TRACED_AT = 8
@@ -39,16 +39,14 @@ def trace_key(row: dict[str, Any]) -> tuple:
 
 
 def predict_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row with its prediction, tracing each distinct setup once."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(trace_key(row), []).append(row)
+    """Each row, in order, with its predictions; each distinct setup traced once, each profile loaded once."""
+    keys = list(dict.fromkeys(trace_key(row) for row in rows))
     device = default_device()
-    out = []
-    for i, (key, members) in enumerate(groups.items(), 1):
+    traced: dict[tuple, tuple[TracedRow, float]] = {}
+    for i, key in enumerate(keys, 1):
         model, implementation, stage, micro_batch, seq_len, checkpointing = key
         print(
-            f"[{i}/{len(groups)}] tracing {model} {implementation} stage {stage} micro-batch {micro_batch} "
+            f"[{i}/{len(keys)}] tracing {model} {implementation} stage {stage} micro-batch {micro_batch} "
             f"x {seq_len}{' checkpointing' if checkpointing else ''}",
             file=sys.stderr,
             flush=True,
@@ -66,21 +64,24 @@ def predict_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             device=device,
             checkpointing=checkpointing,
         )
-        (traced,) = trace_plan([case], device=device)
-        trace_s = time.perf_counter() - started
-        for row in members:
-            cluster = load(row["cluster"])
-            (by_operators,) = simulate([traced], cluster, [row["gpus"]])
-            (by_efficiency,) = simulate([traced], cluster.model_copy(update={"operators": None}), [row["gpus"]])
-            out.append(
-                {
-                    **row,
-                    "trace_s": round(trace_s, 1),
-                    "operators": prediction(row, by_operators),
-                    "peak_x_efficiency": prediction(row, by_efficiency),
-                }
-            )
-    return sorted(out, key=lambda r: [row["id"] for row in rows].index(r["id"]))
+        (row_traced,) = trace_plan([case], device=device)
+        traced[key] = (row_traced, time.perf_counter() - started)
+    clusters = {name: load(name) for name in {row["cluster"] for row in rows}}
+    out = []
+    for row in rows:
+        row_traced, trace_s = traced[trace_key(row)]
+        cluster = clusters[row["cluster"]]
+        (by_operators,) = simulate([row_traced], cluster, [row["gpus"]])
+        (by_efficiency,) = simulate([row_traced], cluster.model_copy(update={"operators": None}), [row["gpus"]])
+        out.append(
+            {
+                **row,
+                "trace_s": round(trace_s, 1),
+                "operators": prediction(row, by_operators),
+                "peak_x_efficiency": prediction(row, by_efficiency),
+            }
+        )
+    return out
 
 
 def prediction(row: dict[str, Any], simulated: Any) -> dict[str, Any]:
