@@ -86,10 +86,14 @@ def calibrate(
     issue_s = None
     if machine.ranks > 1:
         step(4, f"collectives over {machine.ranks} {machine.backend} ranks (spawning them)")
-        curves, issue_s = collectives.measure(machine.ranks, machine.backend, quick=quick)
+
+        def retry(what: str) -> None:
+            progress(f"      {what} ({time.perf_counter() - started:.0f} s so far)")
+
+        curves, issue_s = collectives.measure(machine.ranks, machine.backend, quick=quick, on_retry=retry)
         for ranks in also_ranks:
             progress(f"      and over {ranks} ranks ({time.perf_counter() - started:.0f} s so far)")
-            curves += collectives.measure(ranks, machine.backend, quick=quick)[0]
+            curves += collectives.measure(ranks, machine.backend, quick=quick, on_retry=retry)[0]
     else:
         step(4, "collectives: skipped, one rank")
     disk: DiskProbe | None = None
