@@ -95,7 +95,8 @@ def calibrate_cmd(
     try:
         measured = calibrate(machine, disk_dir=disk, quick=quick, progress=console.print, also_ranks=also)
     except FitError as exc:
-        raise OneLineError(f"calibration failed: {exc} (a machine too busy to measure, three times over: run it when it is quieter)") from None
+        busy = "a machine too busy to measure, three times over: run it when it is quieter"
+        raise OneLineError(f"calibration failed: {exc} ({busy})") from None
     for curve in measured.collectives:
         if curve.fit_error > NOISY_FIT:
             console.print(f"note: {curve.op}'s latency-bandwidth fit is off by {curve.fit_error:.0%} (median): noisy")
