@@ -5,7 +5,7 @@ printing; exit codes 0 ok, 1 a check failed, 2 bad input.
 ``zbench --help`` lists them.
 """
 
-from zbench.cli import calibrate, compare, env, gate, info, plan, report, results, run
+from zbench.cli import calibrate, compare, env, gate, info, plan, report, results, run, tune
 from zbench.cli.app import app, main
 
 COMMANDS = (
@@ -14,6 +14,7 @@ COMMANDS = (
     ("check", gate.check),
     ("ab", gate.ab),
     ("plan", plan.plan),
+    ("tune", tune.tune),
     ("calibrate", calibrate.calibrate_cmd),
     ("report", report.report_cmd),
     ("list", info.list_cmd),

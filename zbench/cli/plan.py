@@ -150,7 +150,7 @@ def _check_plan_args(
     if (model is None) == (params is None):
         raise UsageError("give exactly one of --model NAME or --params N")
     if model is not None:
-        _model_info(model, built=traced)
+        checked_model_info(model, built=traced)
     if gpus < 1 or (params is not None and params < 1) or (gpu_memory is not None and gpu_memory <= 0):
         raise UsageError("--gpus, --params and --gpu-memory must be positive")
     if not 0 <= reserve < 1:
@@ -159,7 +159,7 @@ def _check_plan_args(
         raise UsageError("--option applies to traced implementations: add --trace or --simulate")
 
 
-def _model_info(model: str, *, built: bool) -> ModelInfo:
+def checked_model_info(model: str, *, built: bool) -> ModelInfo:
     """``--model``'s figures, or one line: an unknown name, or (``built``: traced) transformers missing."""
     from zbench.cases.model_source import ModelSourceError, check_buildable, model_info
 
@@ -186,7 +186,7 @@ def _formula_plan(
     """The formulas' answer for every stage x offload mode, as JSON or a table."""
     from zbench.plan import memory
 
-    info = _model_info(model, built=False) if model else None
+    info = checked_model_info(model, built=False) if model else None
     n = info.parameters if info else int(params or 0)
     rows = memory.plan(
         params=n,

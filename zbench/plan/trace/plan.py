@@ -203,6 +203,11 @@ def trace_plan(
     with fake_world(cases[0].world_size, backend=backend), Heartbeat(progress or (lambda _: None)) as beat:
         for i, case in enumerate(cases, 1):
             what = f"{case.implementation} stage {case.stage} offload {case.offload}"
+            if case.micro_batch > 1 or case.grad_accum > 1 or case.activation_checkpointing:
+                accum = f" x {case.grad_accum}" if case.grad_accum > 1 else ""
+                what += f", micro-batch {case.micro_batch}{accum}" + (
+                    ", checkpointing" if case.activation_checkpointing else ""
+                )
             if progress:
                 progress(f"[{i}/{len(cases)}] tracing {what}")
             beat.task(what)

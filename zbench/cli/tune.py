@@ -1,0 +1,290 @@
+"""``zbench tune``: which setup to run for a model on a cluster, from the implementations' real code.
+
+Every implementation x stage x offload mode x micro-batch x activation checkpointing is traced on fake tensors at
+the user's GPU count (each trace kept in a cache, so a second question costs seconds), pruned by its traced
+memory against the GPU, host and disk, and ranked by the simulator's predicted tokens/s per GPU, with the measured
+error of that prediction printed beside it. Progress goes to stderr; stdout is the answer (a table, or one JSON
+document with ``--json``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any, Literal
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from zbench.cli.options import DEFAULT_PRECISION, JsonOpt, stdout
+from zbench.cli.plan import ImplementationOpt, ModelOpt, OffloadOpt, ReserveOpt, SeqLenOpt, checked_model_info
+from zbench.errors import UsageError
+from zbench.plan.memory import DEFAULT_RESERVE
+from zbench.values import OFFLOAD_MODES, Precision
+
+ClusterOpt = Annotated[
+    str,
+    typer.Option(
+        "--cluster",
+        metavar="PROFILE",
+        help="The cluster: a built-in profile (h100-sxm, a100-sxm, rtx4090-pcie, cpu-2core) or a YAML file, e.g. "
+        "one `zbench calibrate` wrote. Its GPU memory, GPUs per node and links apply unless overridden.",
+    ),
+]
+TuneGpusOpt = Annotated[int, typer.Option(help="GPUs in all (data-parallel ranks).")]
+NodesOpt = Annotated[
+    int | None, typer.Option(help="Nodes the GPUs are spread over (default: as many as the profile's node size needs).")
+]
+TuneGpuMemoryOpt = Annotated[float | None, typer.Option("--gpu-memory", help="GiB per GPU (default: the profile's).")]
+HostMemoryOpt = Annotated[
+    float | None, typer.Option("--host-memory", help="GiB of host memory per node (default: not checked).")
+]
+DiskOpt = Annotated[float | None, typer.Option("--disk", help="GiB of NVMe per node (default: not checked).")]
+GlobalBatchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--global-batch",
+        metavar="TOKENS",
+        help="Tokens per optimizer step over all GPUs; each micro-batch gets the gradient accumulation that makes it.",
+    ),
+]
+TuneMicroBatchOpt = Annotated[
+    list[int] | None,
+    typer.Option("--micro-batch", help="Sequences per rank per forward to try (repeatable; default 1 2 4 8)."),
+]
+CheckpointingChoice = Annotated[
+    Literal["both", "on", "off"],
+    typer.Option(help="Activation checkpointing: try both, or only with (on) or without (off)."),
+]
+TopOpt = Annotated[int, typer.Option(help="Setups shown in the ranking.")]
+FreshOpt = Annotated[
+    bool, typer.Option("--fresh", help="Trace every setup again, ignoring (and refreshing) the trace cache.")
+]
+TuneDeviceOpt = Annotated[
+    Literal["auto", "cpu", "cuda"],
+    typer.Option(help="The fake tensors' device (as `zbench plan --device`): auto is cuda where a GPU is visible."),
+]
+
+
+def tune(
+    model: ModelOpt = None,
+    cluster: ClusterOpt = "",
+    gpus: TuneGpusOpt = 8,
+    nodes: NodesOpt = None,
+    gpu_memory: TuneGpuMemoryOpt = None,
+    host_memory: HostMemoryOpt = None,
+    disk: DiskOpt = None,
+    global_batch: GlobalBatchOpt = None,
+    micro_batch: TuneMicroBatchOpt = None,
+    seq_len: SeqLenOpt = None,
+    precision: Annotated[Precision, typer.Option(help="Training precision (bf16/fp16: mixed).")] = DEFAULT_PRECISION,
+    implementation: ImplementationOpt = None,
+    offload: OffloadOpt = None,
+    checkpointing: CheckpointingChoice = "both",
+    reserve: ReserveOpt = DEFAULT_RESERVE,
+    top: TopOpt = 10,
+    fresh: FreshOpt = False,
+    device: TuneDeviceOpt = "auto",
+    as_json: JsonOpt = False,
+) -> None:
+    """The setup to run for a model on a cluster: every implementation, stage, offload mode, micro-batch and
+    checkpointing choice, traced from the real code, pruned by memory, ranked by predicted tokens/s per GPU.
+
+    Example: zbench tune --model gpt-1.3b --gpus 8 --cluster h100-sxm --host-memory 1024
+    """
+    from zbench.plan.trace import plan as trace_mod
+    from zbench.tune import search, space
+    from zbench.tune.cache import TraceCache
+
+    started = time.perf_counter()
+    if model is None:
+        raise UsageError("--model is required (a preset, a published architecture, config.json or module:builder)")
+    if not cluster:
+        raise UsageError("--cluster is required (a built-in profile such as h100-sxm, or a YAML file)")
+    info = checked_model_info(model, built=True)
+    profile = _cluster(cluster)
+    _check_numbers(gpus, nodes, gpu_memory, host_memory, disk, global_batch, micro_batch, top, reserve)
+    per_node = gpus // nodes if nodes else min(gpus, profile.gpus_per_node)
+    profile = profile.model_copy(update={"gpus_per_node": per_node})
+    seq = seq_len or info.default_seq_len
+    if not 1 <= seq <= info.seq:
+        raise UsageError(f"--seq-len must be in 1..{info.seq}")
+    bad = [o for o in offload or () if o not in OFFLOAD_MODES]
+    if bad:
+        raise UsageError(f"--offload: unknown {', '.join(bad)}; allowed: {', '.join(OFFLOAD_MODES)}")
+    dev = trace_mod.default_device() if device == "auto" else device
+    if dev == "cuda" and (why := trace_mod.why_not_cuda()):
+        raise UsageError(f"--device cuda: {why}; trace with --device cpu")
+    question = space.Question(
+        model=model, gpus=gpus, precision=precision, seq_len=seq,
+        implementations=_implementations(implementation), offloads=tuple(offload or OFFLOAD_MODES),
+        micro_batches=tuple(micro_batch or space.DEFAULT_MICRO_BATCHES),
+        checkpointing=_checkpointing(checkpointing, has_blocks=info.has_blocks),
+        global_batch_tokens=global_batch, device=dev,
+    )  # fmt: skip
+    found = space.search_space(question)
+    if not found.cases:
+        raise UsageError("nothing to search: " + "; ".join(found.left_out or ["no setup runs here"]))
+    limits = search.Limits(
+        gpu_bytes=(gpu_memory or profile.memory_gib) * search.GIB, reserve=reserve,
+        host_bytes_per_node=host_memory * search.GIB if host_memory else None,
+        disk_bytes_per_node=disk * search.GIB if disk else None, gpus_per_node=per_node,
+    )  # fmt: skip
+    cache = TraceCache()
+    rows = search.trace_all(found.cases, cache=None if fresh else cache, progress=trace_mod.stderr_progress)
+    if fresh:
+        for row, _ in rows:
+            cache.put(row.case, row.trace)
+    ranked = search.rank(rows, profile, limits)
+    elapsed = time.perf_counter() - started
+    survivors = [c for c in ranked if c.pruned is None]
+    if not survivors:
+        raise UsageError(_nothing_fits(ranked, limits))
+    if as_json:
+        print(json.dumps(_document(question, profile, limits, ranked, found.left_out, elapsed), indent=1))
+        return
+    _print_answer(question, profile, limits, ranked, found.left_out, top, elapsed)
+
+
+def _cluster(name: str) -> Any:
+    from zbench.plan.simulate.cluster import ClusterError, load
+
+    try:
+        return load(name)
+    except ClusterError as exc:
+        raise UsageError(f"--cluster: {exc}") from None
+
+
+def _check_numbers(
+    gpus: int, nodes: int | None, gpu_memory: float | None, host_memory: float | None, disk: float | None,
+    global_batch: int | None, micro_batch: list[int] | None, top: int, reserve: float,
+) -> None:  # fmt: skip
+    if gpus < 1 or (nodes is not None and nodes < 1) or top < 1:
+        raise UsageError("--gpus, --nodes and --top must be positive")
+    if nodes is not None and gpus % nodes:
+        raise UsageError(f"--nodes {nodes} does not divide --gpus {gpus}: every node holds as many GPUs")
+    if any(v is not None and v <= 0 for v in (gpu_memory, host_memory, disk, global_batch)):
+        raise UsageError("--gpu-memory, --host-memory, --disk and --global-batch must be positive")
+    if any(mb < 1 for mb in micro_batch or ()):
+        raise UsageError("--micro-batch must be >= 1")
+    if not 0 <= reserve < 1:
+        raise UsageError(f"--reserve: {reserve} is not in [0, 1)")
+
+
+def _implementations(given: list[str] | None) -> tuple[str, ...]:
+    from zbench.implementations import BUILTIN
+
+    names = tuple(given or BUILTIN)
+    unknown = [n for n in names if n not in BUILTIN]
+    if unknown:
+        raise UsageError(f"--implementation: unknown {', '.join(unknown)}; built-in: {', '.join(BUILTIN)}")
+    return names
+
+
+def _checkpointing(choice: str, *, has_blocks: bool) -> tuple[bool, ...]:
+    if not has_blocks:
+        if choice == "on":
+            raise UsageError("--checkpointing on: the model has no `blocks` to checkpoint")
+        return (False,)
+    return {"both": (False, True), "on": (True,), "off": (False,)}[choice]
+
+
+def _nothing_fits(ranked: list, limits: Any) -> str:
+    """One line: no setup fits; the nearest, by how much, and the GPU count at which it would."""
+    from zbench.tune.search import gpus_that_would_fit
+
+    traced = [c for c in ranked if c.needs is not None]
+    if not traced:
+        return "no setup could be traced: " + "; ".join(sorted({c.pruned for c in ranked})[:3])
+    nearest = traced[0]
+    line = f"no setup fits; the nearest is {nearest.name}: {nearest.pruned}"
+    gpus = gpus_that_would_fit(nearest, limits)
+    if gpus:
+        line += f"; it would fit on about {gpus} GPUs (its traced activations plus the formulas' model states)"
+    return line
+
+
+def _gib(nbytes: float) -> str:
+    from zbench.results.formatting import fmt_bytes
+
+    return fmt_bytes(nbytes)
+
+
+def _print_answer(
+    q: Any, profile: Any, limits: Any, ranked: list, left_out: list[str], top: int, elapsed: float
+) -> None:
+    from zbench.plan.simulate.sweep import MEASURED_ERROR
+    from zbench.tune.search import best_per_implementation, what_separates
+
+    survivors = [c for c in ranked if c.pruned is None]
+    pruned = [c for c in ranked if c.pruned is not None]
+    where = f"{q.gpus} x {profile.gpu} ({q.gpus // limits.gpus_per_node} node(s) of {limits.gpus_per_node})"
+    batch = f", global batch {q.global_batch_tokens:,} tokens" if q.global_batch_tokens else ""
+    table = Table(title=f"{q.model} on {where}, {q.precision}, {q.seq_len} tokens per sequence{batch}")
+    columns = ("#", "setup", "tokens/s per GPU", "step", "MFU", "exposed comm", "offload", "GPU peak", "headroom",
+               "host per node", "behind the one above")  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("setup", "behind the one above") else "right")
+    for i, c in enumerate(survivors[:top]):
+        e = c.estimate
+        above = what_separates(survivors[i - 1], c) if i else ""
+        table.add_row(
+            str(i + 1), c.name, f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.step_s * 1e3:,.0f} ms", f"{e.mfu:.0%}",
+            f"{e.exposed_comm_s * 1e3:,.0f} ms", f"{e.offload_s * 1e3:,.0f} ms", _gib(c.needs.gpu),
+            f"{1 - c.needs.gpu / limits.usable_gpu_bytes:.0%}", _gib(c.needs.host_per_node), above,
+        )  # fmt: skip
+    best = Table(title="each implementation's best")
+    for col in ("implementation", "setup", "tokens/s per GPU", "vs the best"):
+        best.add_column(col, justify="right" if col in ("tokens/s per GPU", "vs the best") else "left")
+    lead = _rate(survivors[0])
+    for c in best_per_implementation(ranked):
+        rate = _rate(c)
+        best.add_row(c.case.implementation, c.name, f"{rate:,.0f}", f"{rate / lead:.2f}x")
+    out = stdout()
+    out.print(table)
+    out.print(best)
+    lines = [f"{len(survivors)} of {len(ranked)} setups fit; {len(pruned)} pruned"]
+    lines += [f"  pruned {c.name}: {c.pruned}" for c in pruned[:5]]
+    if len(pruned) > 5:
+        lines.append(f"  ... and {len(pruned) - 5} more (--json lists every one)")
+    lines += left_out
+    if limits.host_bytes_per_node is None:
+        lines.append("host memory not checked (give --host-memory GiB per node)")
+    lines.append(MEASURED_ERROR[profile.compute_model()])
+    cached = sum(c.cached for c in ranked)
+    lines.append(f"answered in {elapsed:.0f} s ({cached} of {len(ranked)} traces from the cache)")
+    for line in lines:
+        out.print(Text(line))
+
+
+def _rate(c: Any) -> float:
+    return float(c.estimate.tokens_per_s_per_gpu)
+
+
+def _document(q: Any, profile: Any, limits: Any, ranked: list, left_out: list[str], elapsed: float) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from zbench.plan.simulate.sweep import MEASURED_ERROR
+
+    def setup(c: Any) -> dict[str, Any]:
+        case = c.case
+        return {
+            "name": c.name, "implementation": case.implementation, "stage": case.stage, "offload": case.offload,
+            "micro_batch": case.micro_batch, "grad_accum": case.grad_accum,
+            "checkpointing": case.activation_checkpointing, "cached": c.cached,
+            "needs": asdict(c.needs) if c.needs else None, "pruned": c.pruned,
+            "estimate": c.estimate.to_json() if c.estimate else None,
+        }  # fmt: skip
+
+    return {
+        "question": asdict(q),
+        "cluster": profile.name,
+        "gpus_per_node": limits.gpus_per_node,
+        "limits": asdict(limits),
+        "measured_error": MEASURED_ERROR[profile.compute_model()],
+        "ranked": [setup(c) for c in ranked if c.pruned is None],
+        "pruned": [setup(c) for c in ranked if c.pruned is not None],
+        "left_out": left_out,
+        "seconds": round(elapsed, 1),
+    }
