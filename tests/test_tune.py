@@ -1,0 +1,161 @@
+"""``zbench tune``: the search traced from the real code, its cache, the memory pruning (planted limits just above
+and just below traced needs) and its one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zbench.tune.space import Question, grad_accum_for, search_space
+
+BASE = ("tune", "--model", "tiny", "--gpus", "2", "--cluster", "cpu-2core", "-i", "ddp", "-i", "zero3",
+        "--micro-batch", "1", "--micro-batch", "2", "--checkpointing", "off")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("trace-cache")
+
+
+@pytest.fixture
+def tune(cli, cache_dir, monkeypatch):
+    monkeypatch.setenv("ZBENCH_CACHE_DIR", str(cache_dir))
+
+    def run(*extra: str):
+        return cli(*BASE, *extra)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def answer(cli, cache_dir):
+    """The search once, cold: ddp and zero3 (every offload mode), micro-batch 1 and 2, as JSON."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ZBENCH_CACHE_DIR", str(cache_dir))
+        r = cli(*BASE, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_tune_traces_every_setup_and_ranks_them_fastest_first(answer):
+    ranked = answer["ranked"]
+    # ddp: 1 setup; zero3: none, optimizer, optimizer+params, nvme; each at micro-batch 1 and 2
+    assert len(ranked) == 10 and not answer["pruned"]
+    assert {(r["implementation"], r["offload"]) for r in ranked} == {
+        ("ddp", "none"), ("zero3", "none"), ("zero3", "optimizer"), ("zero3", "optimizer+params"), ("zero3", "nvme")
+    }  # fmt: skip
+    rates = [r["estimate"]["tokens_per_s_per_gpu"] for r in ranked]
+    assert rates == sorted(rates, reverse=True) and rates[-1] > 0
+    assert not any(r["cached"] for r in ranked)
+    assert all(r["needs"]["gpu"] > 0 for r in ranked)
+    # offloading the optimizer takes its state off the GPU: the need read from the trace says so (on the CPU
+    # stand-in the host-held state shares the traced peak and must be taken off it)
+    need = {(r["offload"], r["micro_batch"]): r["needs"] for r in ranked if r["implementation"] == "zero3"}
+    for mb in (1, 2):
+        assert need[("optimizer", mb)]["gpu"] < need[("none", mb)]["gpu"]
+        assert need[("optimizer", mb)]["host_per_node"] > need[("none", mb)]["host_per_node"] == 0
+    assert "measured error" in answer["measured_error"]
+    assert not any("deepspeed" in line for line in answer["left_out"])  # not asked for: not listed
+
+
+def test_a_second_question_takes_every_trace_from_the_cache(tune, answer):
+    r = tune("--json")
+    assert r.returncode == 0, r.stderr
+    again = json.loads(r.stdout)
+    assert all(s["cached"] for s in again["ranked"])
+    assert [s["name"] for s in again["ranked"]] == [s["name"] for s in answer["ranked"]]
+    assert again["seconds"] < answer["seconds"]
+
+
+def test_the_gpu_limit_prunes_exactly_the_setups_whose_traced_peak_exceeds_it(tune, answer):
+    """A GPU sized so its usable share falls between two traced needs: those above are pruned with their
+    overshoot, those at or below kept, none misplaced."""
+    needs = sorted({r["needs"]["gpu"] for r in answer["ranked"]})
+    cut = (needs[len(needs) // 2 - 1] + needs[len(needs) // 2]) / 2
+    gib = cut / 0.8 / 2**30  # the default reserve keeps 20% free
+    r = tune("--json", "--gpu-memory", repr(gib))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ranked"] and doc["pruned"]
+    assert all(s["needs"]["gpu"] <= cut * 1.0001 for s in doc["ranked"])
+    assert all(s["needs"]["gpu"] > cut * 0.9999 and s["pruned"].startswith("GPU: needs") for s in doc["pruned"])
+    assert all("over by" in s["pruned"] for s in doc["pruned"])
+    assert len(doc["ranked"]) + len(doc["pruned"]) == len(answer["ranked"])
+
+
+def test_host_memory_per_node_prunes_the_offloaded_setups(tune, answer):
+    """Host memory per node below what the offloaded setups keep there (two ranks' worth): they go, the rest stay."""
+    hosted = [r for r in answer["ranked"] if r["needs"]["host_per_node"] > 0]
+    assert hosted
+    smallest = min(r["needs"]["host_per_node"] for r in hosted)
+    r = tune("--json", "--host-memory", repr(smallest / 2 / 2**30))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert {s["name"] for s in doc["pruned"]} == {s["name"] for s in hosted}
+    assert all(s["pruned"].startswith("host per node") for s in doc["pruned"])
+
+
+def test_the_table_shows_the_ranking_each_implementations_best_and_the_error(tune, answer):
+    r = tune("--top", "3")
+    assert r.returncode == 0, r.stderr
+    assert "each implementation's best" in r.stdout and "measured error" in r.stdout
+    assert r.stdout.count("micro-batch") >= 3 + 2
+    assert "10 of 10 setups fit" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (("--global-batch", "100"), "not a whole number of micro-steps"),
+        (("--gpu-memory", "0.0000001"), "no setup fits; the nearest is"),
+        (("--nodes", "3"), "does not divide --gpus"),
+        (("--cluster", "nowhere"), "--cluster"),
+        (("--micro-batch", "0"), "--micro-batch must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tune, answer, extra, says):
+    r = tune(*extra)
+    assert r.returncode == 2, r.stdout + r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("zbench: error:") and says in last
+
+
+def test_an_unknown_model_is_one_line(cli):
+    r = cli("tune", "--model", "gpt-9000", "--cluster", "cpu-2core")
+    assert r.returncode == 2 and "unknown model" in r.stderr
+
+
+def _question(**overrides) -> Question:
+    fields = dict(model="tiny", gpus=2, precision="fp32", seq_len=32, implementations=("ddp",), offloads=("none",),
+                  micro_batches=(1, 2, 3), checkpointing=(False,), global_batch_tokens=None, device="cpu")  # fmt: skip
+    return Question(**{**fields, **overrides})
+
+
+def test_a_global_batch_sets_each_micro_batchs_accumulation_or_leaves_it_out():
+    q = _question(global_batch_tokens=2 * 32 * 2 * 8)  # micro-batch 2, 8 micro-steps, 2 GPUs
+    assert grad_accum_for(q, 1) == 16 and grad_accum_for(q, 2) == 8 and grad_accum_for(q, 3) is None
+    found = search_space(q)
+    assert [(c.micro_batch, c.grad_accum) for c in found.cases] == [(1, 16), (2, 8)]
+    assert len(found.left_out) == 1 and "micro-batch 3" in found.left_out[0]
+
+
+def test_the_cache_key_changes_with_every_input_and_a_failed_trace_is_not_kept(tmp_path):
+    from zbench.plan.trace.tracer import TraceResult
+    from zbench.tune.cache import TraceCache, trace_key
+
+    (case,) = search_space(_question(micro_batches=(1,))).cases
+    changes = ({"micro_batch": 2}, {"activation_checkpointing": True}, {"offload": "optimizer"}, {"world_size": 4},
+               {"seq_len": 16}, {"options": {"bucket_mb": 1}})  # fmt: skip
+    variants = [case.model_copy(update=u) for u in changes]
+    keys = {trace_key(c) for c in [case, *variants]}
+    assert len(keys) == 1 + len(variants)
+    store = TraceCache(tmp_path)
+    trace = TraceResult("id", "ddp", 0, "none", 2, 0, True, "cpu", state_bytes={"parameters": {"device": 8}})
+    store.put(case, trace)
+    assert store.get(case) == trace and store.get(variants[0]) is None
+    failed = TraceResult("id", "ddp", 0, "none", 2, 0, True, "cpu", error="RuntimeError: out of memory")
+    store.put(variants[0], failed)
+    assert store.get(variants[0]) is None
+    (tmp_path / f"{trace_key(case)}.json").write_text("{not json")
+    assert store.get(case) is None  # a damaged entry traces anew
