@@ -18,13 +18,13 @@ from rich.table import Table
 from rich.text import Text
 
 from zbench.cli.options import DEFAULT_PRECISION, JsonOpt, stdout
-from zbench.cli.plan import ImplementationOpt, ModelOpt, OffloadOpt, ReserveOpt, SeqLenOpt, checked_model_info
+from zbench.cli.plan import ModelOpt, checked_model_info
 from zbench.errors import UsageError
 from zbench.plan.memory import DEFAULT_RESERVE
 from zbench.values import OFFLOAD_MODES, Precision
 
 ClusterOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--cluster",
         metavar="PROFILE",
@@ -57,6 +57,24 @@ CheckpointingChoice = Annotated[
     Literal["both", "on", "off"],
     typer.Option(help="Activation checkpointing: try both, or only with (on) or without (off)."),
 ]
+TuneSeqLenOpt = Annotated[int | None, typer.Option(help="Tokens per sequence (default: the model's).")]
+TuneImplementationOpt = Annotated[
+    list[str] | None,
+    typer.Option("--implementation", "-i", metavar="IMPL", help="Implementation to search (repeatable; default: all)."),
+]
+TuneOffloadOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--offload", "-o", metavar="MODE", help="Offload mode to search (repeatable; default: all each supports)."
+    ),
+]
+TuneReserveOpt = Annotated[
+    float,
+    typer.Option(
+        help="Share of each GPU kept free beyond the traced peak: the allocator's fragmentation and the CUDA "
+        "context, which no trace sees."
+    ),
+]
 TopOpt = Annotated[int, typer.Option(help="Setups shown in the ranking.")]
 FreshOpt = Annotated[
     bool, typer.Option("--fresh", help="Trace every setup again, ignoring (and refreshing) the trace cache.")
@@ -69,7 +87,7 @@ TuneDeviceOpt = Annotated[
 
 def tune(
     model: ModelOpt = None,
-    cluster: ClusterOpt = "",
+    cluster: ClusterOpt = None,
     gpus: TuneGpusOpt = 8,
     nodes: NodesOpt = None,
     gpu_memory: TuneGpuMemoryOpt = None,
@@ -77,12 +95,12 @@ def tune(
     disk: DiskOpt = None,
     global_batch: GlobalBatchOpt = None,
     micro_batch: TuneMicroBatchOpt = None,
-    seq_len: SeqLenOpt = None,
+    seq_len: TuneSeqLenOpt = None,
     precision: Annotated[Precision, typer.Option(help="Training precision (bf16/fp16: mixed).")] = DEFAULT_PRECISION,
-    implementation: ImplementationOpt = None,
-    offload: OffloadOpt = None,
+    implementation: TuneImplementationOpt = None,
+    offload: TuneOffloadOpt = None,
     checkpointing: CheckpointingChoice = "both",
-    reserve: ReserveOpt = DEFAULT_RESERVE,
+    reserve: TuneReserveOpt = DEFAULT_RESERVE,
     top: TopOpt = 10,
     fresh: FreshOpt = False,
     device: TuneDeviceOpt = "auto",
@@ -100,7 +118,7 @@ def tune(
     started = time.perf_counter()
     if model is None:
         raise UsageError("--model is required (a preset, a published architecture, config.json or module:builder)")
-    if not cluster:
+    if cluster is None:
         raise UsageError("--cluster is required (a built-in profile such as h100-sxm, or a YAML file)")
     info = checked_model_info(model, built=True)
     profile = _cluster(cluster)
