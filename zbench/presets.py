@@ -7,7 +7,7 @@ these without building anything. ``zbench.cases.models`` builds the module from 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,20 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+def preset(name: str) -> GPTConfig | None:
+    """A preset's configuration, cut to fewer blocks when the name says so (``zbench.cases.depth``); None when
+    ``name`` is not a preset."""
+    from zbench.cases.depth import split_depth
+
+    base, blocks = split_depth(name)
+    if base not in PRESETS:
+        return None
+    cfg = PRESETS[base]
+    return cfg if blocks is None else replace(cfg, layers=blocks)
+
+
 def get_config(name: str) -> GPTConfig:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(PRESETS)}") from None
+    cfg = preset(name)
+    if cfg is None:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(PRESETS)}")
+    return cfg

@@ -134,6 +134,11 @@ class Capabilities:
     """The lowest stage at which parameters are sharded *between steps*: 3 for ZeRO, whose stage 2 keeps them
     whole; 2 for FSDP1, whose ``SHARD_GRAD_OP`` frees the gathered parameters after backward and gathers them
     again in the next forward (stage 2's traffic and peak, stage 3's model states between steps)."""
+    blockwise: bool = True
+    """Each block adds the same bytes, collectives and operators to a rank's step, so ``zbench tune`` may trace two
+    shallow cuts of a deep model and extrapolate over blocks (``zbench.tune.extrapolate``); False where a rank's
+    share depends on the model as a whole (torch's ZeroRedundancyOptimizer deals whole tensors to ranks, largest
+    first), which is then traced whole."""
     shards_parameters_by_rows: bool = False
     """True when it splits each parameter by rows across the ranks (DTensor's ``Shard(0)``: FSDP2), so the first
     rank holds ``ModelShape.row_shard_elements`` of every sharded category, up to a row per parameter more than

@@ -172,6 +172,15 @@ class HFArch:
             seq or self.train_seq_len
         )
 
+    def with_layers(self, layers: int, name: str) -> HFArch:
+        """The same architecture with its first ``layers`` decoder layers (per-layer lists cut to match)."""
+        changes: dict[str, Any] = {"num_hidden_layers": layers}
+        if "max_window_layers" in self.config:
+            changes["max_window_layers"] = min(int(self.config["max_window_layers"]), layers)
+        if isinstance(self.config.get("layer_types"), list):
+            changes["layer_types"] = self.config["layer_types"][:layers]
+        return replace(self, name=name, config={**self.config, **changes})
+
     def mini(self) -> HFArch:
         """The same architecture in two narrow layers: head_dim 16, the grouped-query ratio kept, the MLP's
         width ratio kept, vocabulary 512, 128 positions; experts and their top-k as published."""
@@ -238,11 +247,25 @@ def is_config_path(name: str) -> bool:
 
 
 def is_hf_model(name: str) -> bool:
-    return name in published() or is_config_path(name)
+    base, _ = _split_depth(name)
+    return base in published() or is_config_path(base)
+
+
+def _split_depth(name: str) -> tuple[str, int | None]:
+    from zbench.cases.depth import split_depth
+
+    try:
+        return split_depth(name)
+    except ValueError as exc:
+        raise HFModelError(str(exc)) from None
 
 
 def arch(name: str) -> HFArch:
-    """The architecture of a published name or a local config file."""
+    """The architecture of a published name or a local config file, cut to fewer layers when the name says so
+    (``zbench.cases.depth``)."""
+    base, blocks = _split_depth(name)
+    if blocks is not None:
+        return arch(base).with_layers(blocks, name)
     if name in published():
         return published()[name]
     if is_config_path(name):

@@ -7,6 +7,7 @@ transformers ``config.json``, or a builder of the user's (``my_pkg.models:build`
 from __future__ import annotations
 
 from zbench.cases import hf_models
+from zbench.cases.depth import split_depth
 from zbench.presets import PRESETS
 
 KINDS = "a preset, a published architecture (zbench list), path/to/config.json, or module:builder (your own)"
@@ -22,5 +23,11 @@ def is_builder_path(name: str) -> bool:
 
 def check_model_name(name: str) -> None:
     """One line if ``name`` is none of the kinds a model can be (without importing a builder or reading a file)."""
-    if not (is_builder_path(name) or name in PRESETS or hf_models.is_hf_model(name)):
+    try:
+        base, blocks = split_depth(name)
+    except ValueError as exc:
+        raise ModelSourceError(str(exc)) from None
+    if blocks is not None and is_builder_path(base):
+        raise ModelSourceError(f"model {name!r}: a builder's model cannot be cut to {blocks} blocks")
+    if not (is_builder_path(base) or base in PRESETS or hf_models.is_hf_model(base)):
         raise ModelSourceError(f"unknown model {name!r}; allowed: {KINDS}")

@@ -34,7 +34,7 @@ from zbench.cases import hf_models
 from zbench.cases.hf_models import HFArch, HFModelError
 from zbench.cases.model_names import ModelSourceError, check_model_name, is_builder_path
 from zbench.cases.user_import import import_user_module
-from zbench.presets import PRESETS, GPTConfig
+from zbench.presets import GPTConfig, preset
 
 if TYPE_CHECKING:  # torch is imported lazily: the suite parser uses this module without it
     import torch
@@ -156,8 +156,7 @@ def _declared_int(model: nn.Module, attr: str) -> int:
 def model_info(name: str) -> ModelInfo:
     """A preset's or a published architecture's figures (no torch), or a user model's measured on ``meta``."""
     check_model_name(name)
-    if name in PRESETS:
-        cfg = PRESETS[name]
+    if (cfg := preset(name)) is not None:
         return ModelInfo(
             name,
             cfg.num_parameters,
@@ -210,8 +209,8 @@ def parameter_shapes(name: str) -> tuple[tuple[int, ...], ...]:
     """Shape of each distinct parameter, in ``parameters()`` order (a user's model measured on ``meta``): for
     layouts that depend on single tensors (DeepSpeed keeps parameters below a size unpartitioned; FSDP2 splits each
     by rows, the first rank taking the odd row)."""
-    if name in PRESETS:
-        return PRESETS[name].parameter_shapes
+    if (cfg := preset(name)) is not None:
+        return cfg.parameter_shapes
     if hf_models.is_hf_model(name):
         return hf_models.arch(name).parameter_shapes
     return _distinct_shapes(build_user_model(name, seed=0, device="meta"))

@@ -79,6 +79,14 @@ TopOpt = Annotated[int, typer.Option(help="Setups shown in the ranking.")]
 FreshOpt = Annotated[
     bool, typer.Option("--fresh", help="Trace every setup again, ignoring (and refreshing) the trace cache.")
 ]
+WholeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--whole",
+        help="Trace each setup's whole model, not two cuts of it (2 and 3 blocks) extrapolated over blocks: exact, "
+        "and minutes per setup at 70B.",
+    ),
+]
 TuneDeviceOpt = Annotated[
     Literal["auto", "cpu", "cuda"],
     typer.Option(help="The fake tensors' device (as `zbench plan --device`): auto is cuda where a GPU is visible."),
@@ -103,6 +111,7 @@ def tune(
     reserve: TuneReserveOpt = DEFAULT_RESERVE,
     top: TopOpt = 10,
     fresh: FreshOpt = False,
+    whole: WholeOpt = False,
     device: TuneDeviceOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
@@ -150,11 +159,10 @@ def tune(
         disk_bytes_per_node=disk * search.GIB if disk else None, gpus_per_node=per_node,
     )  # fmt: skip
     cache = TraceCache()
-    rows = search.trace_all(found.cases, cache=None if fresh else cache, progress=trace_mod.stderr_progress)
-    if fresh:
-        for row, _ in rows:
-            cache.put(row.case, row.trace)
-    ranked = search.rank(rows, profile, limits)
+    ranked = search.search(
+        found.cases, profile, limits, cache=cache, fresh=fresh, progress=trace_mod.stderr_progress,
+        extrapolate=not whole,
+    )  # fmt: skip
     elapsed = time.perf_counter() - started
     survivors = [c for c in ranked if c.pruned is None]
     if not survivors:
@@ -212,14 +220,12 @@ def _nothing_fits(ranked: list, limits: Any) -> str:
     """One line: no setup fits; the nearest, by how much, and the GPU count at which it would."""
     from zbench.tune.search import gpus_that_would_fit
 
-    traced = [c for c in ranked if c.needs is not None]
-    if not traced:
-        return "no setup could be traced: " + "; ".join(sorted({c.pruned for c in ranked})[:3])
-    nearest = traced[0]
+    nearest = next((c for c in ranked if c.needs is not None), ranked[0])
     line = f"no setup fits; the nearest is {nearest.name}: {nearest.pruned}"
     gpus = gpus_that_would_fit(nearest, limits)
     if gpus:
-        line += f"; it would fit on about {gpus} GPUs (its traced activations plus the formulas' model states)"
+        how = "its traced activations plus" if nearest.traced else "the lower bound of"
+        line += f"; it would fit on about {gpus} GPUs ({how} the formulas' model states)"
     return line
 
 
@@ -267,6 +273,10 @@ def _print_answer(
     if len(pruned) > 5:
         lines.append(f"  ... and {len(pruned) - 5} more (--json lists every one)")
     lines += left_out
+    if any(c.extrapolated for c in ranked):
+        lines.append(
+            f"each setup traced as {q.model} cut to 2 and 3 blocks and extrapolated over blocks (--whole: whole models)"
+        )
     if limits.host_bytes_per_node is None:
         lines.append("host memory not checked (give --host-memory GiB per node)")
     lines.append(MEASURED_ERROR[profile.compute_model()])
@@ -290,7 +300,7 @@ def _document(q: Any, profile: Any, limits: Any, ranked: list, left_out: list[st
         return {
             "name": c.name, "implementation": case.implementation, "stage": case.stage, "offload": case.offload,
             "micro_batch": case.micro_batch, "grad_accum": case.grad_accum,
-            "checkpointing": case.activation_checkpointing, "cached": c.cached,
+            "checkpointing": case.activation_checkpointing, "cached": c.cached, "extrapolated": c.extrapolated,
             "needs": asdict(c.needs) if c.needs else None, "pruned": c.pruned,
             "estimate": c.estimate.to_json() if c.estimate else None,
         }  # fmt: skip

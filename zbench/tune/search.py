@@ -18,10 +18,11 @@ from zbench.cases.case import Case
 from zbench.cases.formulas import placement_for
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.step import StepEstimate
-from zbench.plan.simulate.sweep import simulate
+from zbench.plan.simulate.sweep import estimate_row
 from zbench.plan.trace.plan import TracedRow, trace_plan
 from zbench.results.formatting import fmt_bytes
-from zbench.tune.cache import TraceCache
+from zbench.tune.cache import TraceCache, trace_key
+from zbench.tune.extrapolate import Extrapolated, can_extrapolate, cuts
 from zbench.tune.space import describe
 
 GIB = 2**30
@@ -53,23 +54,29 @@ class Needs:
 
 @dataclass
 class Candidate:
-    """One setup: its trace, its needs, why it was pruned (or its predicted step)."""
+    """One setup: its trace (none when pruned before tracing), its needs, why it was pruned, or its predicted
+    step."""
 
-    row: TracedRow
-    needs: Needs | None
-    cached: bool
+    case: Case
+    traced: Traced | None = None
+    needs: Needs | None = None
     pruned: str | None = None
     overshoot: float = 0.0
     """Bytes over the tightest limit it broke, as a share of that limit."""
     estimate: StepEstimate | None = None
 
     @property
-    def case(self) -> Case:
-        return self.row.case
-
-    @property
     def name(self) -> str:
         return describe(self.case)
+
+    @property
+    def cached(self) -> bool:
+        return self.traced is not None and self.traced.cached
+
+    @property
+    def extrapolated(self) -> bool:
+        """Traced as two cuts of the model and extrapolated over blocks."""
+        return self.traced is not None and self.traced.extrapolated is not None
 
 
 def needs_of(row: TracedRow, gpus_per_node: int) -> Needs:
@@ -82,8 +89,9 @@ def needs_of(row: TracedRow, gpus_per_node: int) -> Needs:
     )
 
 
-def prune(candidate: Candidate, limits: Limits) -> None:
-    """Mark ``candidate`` pruned by the first limit it breaks, with the need, the limit and the overshoot."""
+def prune(candidate: Candidate, limits: Limits, *, by: str = "") -> None:
+    """Mark ``candidate`` pruned by the first limit its needs break, with the need, the limit and the overshoot;
+    ``by`` says where the needs come from when not from its own trace."""
     n = candidate.needs
     if n is None:
         return
@@ -96,51 +104,152 @@ def prune(candidate: Candidate, limits: Limits) -> None:
         if have is not None and need > have:
             candidate.overshoot = (need - have) / have if have else float("inf")
             over = f"over by {candidate.overshoot:.0%}"
-            candidate.pruned = f"{what}: needs {fmt_bytes(need)}, has {fmt_bytes(have)}{note}: {over}"
+            candidate.pruned = f"{what}: needs {fmt_bytes(need)}{by}, has {fmt_bytes(have)}{note}: {over}"
             return
 
 
+@dataclass
+class Traced:
+    """One setup's trace: whole, or the line through two cuts of its model (``extrapolated``)."""
+
+    row: TracedRow
+    cached: bool
+    extrapolated: Extrapolated | None = None
+
+    def estimate(self, cluster: Cluster) -> StepEstimate:
+        world = self.row.case.world_size  # every setup is traced at the user's GPU count
+        compute = self.extrapolated.phase_compute(cluster, world) if self.extrapolated else None
+        return estimate_row(self.row, cluster, world, compute)
+
+
 def trace_all(
-    cases: list[Case], *, cache: TraceCache | None, progress: Callable[[str], None]
-) -> list[tuple[TracedRow, bool]]:
-    """Each case's traced row and whether it came from the cache, in the cases' order."""
-    found: dict[int, TracedRow] = {}
-    for i, case in enumerate(cases):
-        trace = cache.get(case) if cache else None
+    cases: list[Case],
+    *,
+    cache: TraceCache | None,
+    progress: Callable[[str], None],
+    extrapolate: bool = True,
+    fresh: bool = False,
+) -> list[Traced]:
+    """Each case traced (or taken from the cache, unless ``fresh``; every new trace is stored), in the cases'
+    order; with ``extrapolate``, a deep model's setups from two shallow cuts (``zbench.tune.extrapolate``)."""
+    plans = {id(c): (cuts(c) if extrapolate and can_extrapolate(c) else (c,)) for c in cases}
+    jobs = list({trace_key(job): job for c in cases for job in plans[id(c)]}.values())
+    found: dict[str, TracedRow] = {}
+    for job in jobs:
+        trace = cache.get(job) if cache and not fresh else None
         if trace is not None:
-            found[i] = TracedRow(case, trace, placement_for(case))
-    missing = [i for i in range(len(cases)) if i not in found]
-    if found:
-        progress(f"{len(found)} of {len(cases)} setups traced before (cache); tracing {len(missing)}")
+            found[trace_key(job)] = TracedRow(job, trace, placement_for(job))
+    missing = [job for job in jobs if trace_key(job) not in found]
+    cut = " (cut to 2 and 3 blocks, extrapolated over blocks)" if any(len(p) == 2 for p in plans.values()) else ""
+    progress(f"{len(cases)} setups: {len(jobs)} traces{cut}, {len(found)} from the cache, {len(missing)} to run")
     if missing:
-        device = cases[missing[0]].device
-        traced = trace_plan([cases[i] for i in missing], device=device, progress=progress)
-        for i, row in zip(missing, traced, strict=True):
+        for job, row in zip(missing, trace_plan(missing, device=missing[0].device, progress=progress), strict=True):
             if cache:
-                cache.put(cases[i], row.trace)
-            found[i] = row
-    return [(found[i], i not in missing) for i in range(len(cases))]
+                cache.put(job, row.trace)
+            found[trace_key(job)] = row
+    traced_now = {trace_key(job) for job in missing}
+    out = []
+    for c in cases:
+        keys = [trace_key(job) for job in plans[id(c)]]
+        cached = not any(k in traced_now for k in keys)
+        if len(keys) == 1:
+            out.append(Traced(found[keys[0]], cached))
+        else:
+            line = Extrapolated(c, found[keys[0]], found[keys[1]])
+            out.append(Traced(line.row(), cached, line))
+    return out
 
 
-def rank(rows: list[tuple[TracedRow, bool]], cluster: Cluster, limits: Limits) -> list[Candidate]:
-    """Every setup, the survivors first by predicted tokens/s per GPU (fastest first), then the pruned by overshoot
-    (nearest to fitting first), then those that could not be traced."""
-    candidates = []
-    for row, cached in rows:
-        c = Candidate(row, None if row.trace.error else needs_of(row, limits.gpus_per_node), cached)
-        if row.trace.error:
-            c.pruned = f"cannot trace: {row.trace.error}"
-            c.overshoot = float("inf")
-        prune(c, limits)
-        candidates.append(c)
-    survivors = [c for c in candidates if c.pruned is None]
-    if survivors:
-        world = survivors[0].case.world_size  # every setup is traced at the user's GPU count
-        for c, sim in zip(survivors, simulate([c.row for c in survivors], cluster, [world]), strict=True):
-            c.estimate = sim.estimates[0]
-    survivors.sort(key=lambda c: -c.estimate.tokens_per_s_per_gpu if c.estimate else 0.0)
+#: The share by which a rank's traced model states may fall short of the ZeRO formula's (the formula's fullest
+#: rank; a layout dealing whole tensors may give rank 0 a little less): a setup is pruned before tracing only
+#: when the formula's model states alone exceed the GPU by more.
+FORMULA_SLACK = 0.05
+
+
+def formula_needs(case: Case, gpus_per_node: int) -> Needs:
+    """The ZeRO formulas' model states for ``case``'s layout: a lower bound on what its trace would need."""
+    place = placement_for(case)
+
+    def at(where: str) -> float:
+        return sum(cat.get(where, 0.0) for cat in place.values())
+
+    return Needs(gpu=at("device"), host_per_node=at("host") * gpus_per_node, disk_per_node=at("disk") * gpus_per_node)
+
+
+def search(
+    cases: list[Case],
+    cluster: Cluster,
+    limits: Limits,
+    *,
+    cache: TraceCache | None,
+    progress: Callable[[str], None],
+    extrapolate: bool = True,
+    fresh: bool = False,
+) -> list[Candidate]:
+    """Every setup, pruned and ranked: the survivors first by predicted tokens/s per GPU (fastest first), then the
+    pruned by overshoot (nearest to fitting first).
+
+    Tracing is spent only where it can change the answer. A setup whose model states alone, by the formulas,
+    overflow the GPU or a node's host or disk is pruned untraced. The rest are traced a micro-batch at a time,
+    smallest first: a setup that does not fit the GPU at one micro-batch will not at a larger one (activations
+    only grow), so its larger micro-batches are pruned untraced, naming the one that did not fit.
+    """
+    candidates = [Candidate(case) for case in cases]
+    for c in candidates:
+        floor = formula_needs(c.case, limits.gpus_per_node)
+        c.needs = Needs(gpu=floor.gpu * (1 - FORMULA_SLACK), host_per_node=floor.host_per_node * (1 - FORMULA_SLACK),
+                        disk_per_node=floor.disk_per_node * (1 - FORMULA_SLACK))  # fmt: skip
+        prune(c, limits, by=" (model states alone, by the ZeRO formulas; not traced)")
+        c.needs = None
+    untraced = sum(c.pruned is not None for c in candidates)
+    if untraced:
+        progress(f"{untraced} of {len(candidates)} setups pruned by the formulas' model states alone, untraced")
+    too_big: dict[tuple, int] = {}  # a setup's other axes -> the smallest micro-batch that did not fit the GPU
+    for mb in sorted({c.case.micro_batch for c in candidates}):
+        batch = []
+        for c in candidates:
+            if c.case.micro_batch != mb or c.pruned is not None:
+                continue
+            if (smaller := too_big.get(_siblings(c.case))) is not None:
+                c.pruned = f"GPU: micro-batch {smaller} of the same setup already does not fit (not traced)"
+                c.overshoot = float("inf")
+            else:
+                batch.append(c)
+        if not batch:
+            continue
+        progress(f"micro-batch {mb}: {len(batch)} setups")
+        traced = trace_all(
+            [c.case for c in batch], cache=cache, progress=progress, extrapolate=extrapolate, fresh=fresh
+        )
+        for c, t in zip(batch, traced, strict=True):
+            _judge(c, t, cluster, limits)
+            if c.pruned and c.pruned.startswith("GPU"):
+                too_big.setdefault(_siblings(c.case), mb)
+    survivors = sorted((c for c in candidates if c.pruned is None), key=lambda c: -_rate(c))
     pruned = sorted((c for c in candidates if c.pruned is not None), key=lambda c: c.overshoot)
     return survivors + pruned
+
+
+def _siblings(case: Case) -> tuple:
+    """What a setup is apart from its micro-batch (and the accumulation that follows from it)."""
+    return (case.implementation, case.stage, case.offload, case.activation_checkpointing)
+
+
+def _judge(c: Candidate, t: Traced, cluster: Cluster, limits: Limits) -> None:
+    """Read ``c``'s needs off its trace, prune it or predict its step."""
+    c.traced = t
+    if t.row.trace.error:
+        c.pruned = f"cannot trace: {t.row.trace.error}"
+        c.overshoot = float("inf")
+        return
+    c.needs = needs_of(t.row, limits.gpus_per_node)
+    prune(c, limits)
+    if c.pruned is None:
+        c.estimate = t.estimate(cluster)
+
+
+def _rate(c: Candidate) -> float:
+    return c.estimate.tokens_per_s_per_gpu if c.estimate else 0.0
 
 
 def best_per_implementation(ranked: list[Candidate]) -> list[Candidate]:
@@ -176,16 +285,17 @@ def _tokens(c: Candidate) -> int:
 def gpus_that_would_fit(c: Candidate, limits: Limits, *, most: int = 65536) -> int | None:
     """The fewest GPUs (the asked count doubled, and doubled again) at which ``c`` would fit GPU and host, by the
     ZeRO formulas for its model states plus what its trace holds beyond them (activations, gathered parameters,
-    buffers: the same per rank at any count), or None up to ``most``. An estimate, labelled so where shown."""
+    buffers: the same per rank at any count; nothing when it was not traced), or None up to ``most``. An
+    estimate, labelled so where shown."""
     from zbench.cases.formulas import placement
     from zbench.cases.model_source import model_info
 
-    if c.needs is None:
-        return None
     case = c.case
     params = model_info(case.model).parameters
-    beyond_states = c.needs.gpu - c.row.located("device")
-    host_beyond = c.needs.host_per_node / limits.gpus_per_node - c.row.located("host")
+    beyond_states = host_beyond = 0.0  # untraced: the model states alone
+    if c.needs is not None and c.traced is not None:
+        beyond_states = c.needs.gpu - c.traced.row.located("device")
+        host_beyond = c.needs.host_per_node / limits.gpus_per_node - c.traced.row.located("host")
     gpus = case.world_size * 2
     while gpus <= most:
         place = placement(params=params, world=gpus, stage=case.stage, precision=case.precision, offload=case.offload)

@@ -63,31 +63,30 @@ def operator_compute(row: TracedRow, cluster: Cluster, world: int) -> dict[str, 
     return case_phase_seconds(row.trace.ops, rates, row.case, world=world)
 
 
+def estimate_row(
+    row: TracedRow, cluster: Cluster, world: int, phase_compute: dict[str, float] | None = None
+) -> StepEstimate:
+    """One traced case's step at ``world`` ranks; ``phase_compute`` replaces the row's own operators' charge
+    (``operator_compute``) where the caller has it another way (``zbench.tune.extrapolate``)."""
+    case = row.case
+    info = model_info(case.model)
+    tokens = case.micro_batch * case.grad_accum * case.seq_len
+    return estimate(
+        row.trace.phases,
+        cluster=cluster,
+        world=world,
+        flops_per_step=info.flops_per_token(case.seq_len) * tokens,
+        params=info.parameters,
+        stage=case.stage,
+        offload=case.offload,
+        checkpointing=case.activation_checkpointing,
+        tokens_per_step=tokens,
+        phase_compute=phase_compute if phase_compute is not None else operator_compute(row, cluster, world),
+    )
+
+
 def simulate(rows: list[TracedRow], cluster: Cluster, scales: list[int]) -> list[SimulatedRow]:
-    out = []
-    for row in rows:
-        case = row.case
-        info = model_info(case.model)
-        tokens = case.micro_batch * case.grad_accum * case.seq_len
-        flops = info.flops_per_token(case.seq_len) * tokens
-        estimates = (
-            []
-            if row.trace.error
-            else [
-                estimate(
-                    row.trace.phases,
-                    cluster=cluster,
-                    world=world,
-                    flops_per_step=flops,
-                    params=info.parameters,
-                    stage=case.stage,
-                    offload=case.offload,
-                    checkpointing=case.activation_checkpointing,
-                    tokens_per_step=tokens,
-                    phase_compute=operator_compute(row, cluster, world),
-                )
-                for world in scales
-            ]
-        )
-        out.append(SimulatedRow(row, estimates))
-    return out
+    return [
+        SimulatedRow(row, [] if row.trace.error else [estimate_row(row, cluster, world) for world in scales])
+        for row in rows
+    ]
