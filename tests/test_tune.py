@@ -167,3 +167,45 @@ def test_the_cache_key_changes_with_every_input_and_a_failed_trace_is_not_kept(t
     assert store.get(variants[0]) is None
     (tmp_path / f"{trace_key(case)}.json").write_text("{not json")
     assert store.get(case) is None  # a damaged entry traces anew
+
+
+def test_two_cuts_extrapolated_over_blocks_give_the_whole_models_figures():
+    """gpt-125m (12 blocks) traced whole and as its 2- and 3-block cuts: model states, bytes sent and the
+    predicted step on the line through the cuts equal the whole trace's; the peak within 1% (ZeRO-3's moves by
+    0.6%: docs/data/validate_extrapolation.json has every implementation x offload mode at two sizes)."""
+    from zbench.plan.simulate.cluster import load
+    from zbench.plan.simulate.sweep import estimate_row
+    from zbench.plan.trace.plan import make_case, trace_plan
+    from zbench.tune.extrapolate import Extrapolated, can_extrapolate, cuts
+
+    cluster = load("h100-sxm")
+    cases = [make_case("gpt-125m", name, stage, "none", gpus=2, precision="bf16", micro_batch=1, seq_len=16,
+                       device="cpu", checkpointing=False) for name, stage in (("ddp", 0), ("zero3", 3))]  # fmt: skip
+    assert all(can_extrapolate(c) for c in cases)
+    rows = trace_plan([job for c in cases for job in (c, *cuts(c))], device="cpu")
+    for i, case in enumerate(cases):
+        whole, shallow, deeper = rows[3 * i : 3 * i + 3]
+        assert shallow.case.model == "gpt-125m@blocks=2" and not whole.trace.error
+        line = Extrapolated(case, shallow, deeper)
+        ext = line.row()
+        assert ext.trace.state_bytes == whole.trace.state_bytes
+        assert ext.trace.phases == whole.trace.phases
+        assert ext.peak() == pytest.approx(whole.peak(), rel=0.01)
+        extrapolated_step = estimate_row(ext, cluster, 2, line.phase_compute(cluster, 2)).step_s
+        assert extrapolated_step == pytest.approx(estimate_row(whole, cluster, 2).step_s, rel=1e-6)
+        # and the shallow cut alone is not the whole model: the line is doing the work
+        assert shallow.located("device") < 0.6 * whole.located("device")  # embeddings and head are most of 125m
+
+
+def test_what_cannot_be_cut_is_traced_whole():
+    from zbench.plan.trace.plan import make_case
+    from zbench.tune.extrapolate import can_extrapolate
+
+    def case(model, name="ddp", stage=0):
+        return make_case(model, name, stage, "none", gpus=2, precision="fp32", micro_batch=1, seq_len=16,
+                         device="cpu", checkpointing=False)  # fmt: skip
+
+    assert can_extrapolate(case("gpt-125m"))
+    assert not can_extrapolate(case("gpt-125m", "torch_zero", 1))  # declares itself not blockwise
+    assert not can_extrapolate(case("small"))  # 4 blocks: whole is cheap
+    assert not can_extrapolate(case("gpt-125m@blocks=8"))  # already a cut
