@@ -170,9 +170,9 @@ def test_the_cache_key_changes_with_every_input_and_a_failed_trace_is_not_kept(t
 
 
 def test_two_cuts_extrapolated_over_blocks_give_the_whole_models_figures():
-    """gpt-125m (12 blocks) traced whole and as its 2- and 3-block cuts: model states, bytes sent and the
-    predicted step on the line through the cuts equal the whole trace's; the peak within 1% (ZeRO-3's moves by
-    0.6%: docs/data/validate_extrapolation.json has every implementation x offload mode at two sizes)."""
+    """gpt-125m (12 blocks) traced whole and as its 3- and 4-block cuts: model states, bytes sent and the
+    predicted step on the line through the cuts equal the whole trace's, and the peak, extrapolated segment by
+    segment (docs/data/validate_extrapolation.json has every implementation x offload mode at two sizes)."""
     from zbench.plan.simulate.cluster import load
     from zbench.plan.simulate.sweep import estimate_row
     from zbench.plan.trace.plan import make_case, trace_plan
@@ -185,16 +185,16 @@ def test_two_cuts_extrapolated_over_blocks_give_the_whole_models_figures():
     rows = trace_plan([job for c in cases for job in (c, *cuts(c))], device="cpu")
     for i, case in enumerate(cases):
         whole, shallow, deeper = rows[3 * i : 3 * i + 3]
-        assert shallow.case.model == "gpt-125m@blocks=2" and not whole.trace.error
+        assert shallow.case.model == "gpt-125m@blocks=3" and not whole.trace.error
         line = Extrapolated(case, shallow, deeper)
         ext = line.row()
         assert ext.trace.state_bytes == whole.trace.state_bytes
         assert ext.trace.phases == whole.trace.phases
-        assert ext.peak() == pytest.approx(whole.peak(), rel=0.01)
+        assert ext.peak() == pytest.approx(whole.peak(), rel=0.001)
         extrapolated_step = estimate_row(ext, cluster, 2, line.phase_compute(cluster, 2)).step_s
         assert extrapolated_step == pytest.approx(estimate_row(whole, cluster, 2).step_s, rel=1e-6)
         # and the shallow cut alone is not the whole model: the line is doing the work
-        assert shallow.located("device") < 0.6 * whole.located("device")  # embeddings and head are most of 125m
+        assert deeper.located("device") < 0.7 * whole.located("device")  # embeddings and head are most of 125m
 
 
 def test_what_cannot_be_cut_is_traced_whole():

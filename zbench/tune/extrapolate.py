@@ -1,16 +1,17 @@
-"""A deep model's trace from two shallow cuts of it: ``tune`` traces ``NAME@blocks=2`` and ``NAME@blocks=3``
+"""A deep model's trace from two shallow cuts of it: ``tune`` traces ``NAME@blocks=3`` and ``NAME@blocks=4``
 (``zbench.cases.depth``) and extrapolates over blocks, instead of tracing all of a 70B model's 80 layers.
 
 A transformer's blocks are alike, so each figure a step produces is one part that does not depend on depth
-(embeddings, head, final norm, the loss) plus one per block: model-state bytes by category and location, the
-peak of live bytes and each role in it, each phase's collectives (bytes and calls) and each phase's compute
-seconds on the cluster's operator rates. So ``Q(L) = Q(2) + (L - 2) * (Q(3) - Q(2))``.
+(embeddings, head, final norm, the loss) plus one per block: model-state bytes by category and location, each
+phase's collectives (bytes and calls) and each phase's compute seconds on the cluster's operator rates. So
+``Q(L) = Q(3) + (L - 3) * (Q(4) - Q(3))``.
+
+The peak of live bytes is not one such figure: it is the largest of many moments, and which moment wins can
+change with depth (``deep_peak``), so it is extrapolated segment by segment of the step and the largest taken.
 
 Where it is not exact: flat buffers padded to a multiple of the ranks (less than one element per rank per
-buffer), a peak that moves to another moment of the step as the model deepens (the two cuts see one moment;
-three cuts would show a bend, and docs/methods.md#tuning-zbench-tune has the check against full traces), bucket
-counts that round. Two blocks, not one, as the shallow cut: with one block a stage-3 engine has no next block
-to prefetch, so its working set would not be the deep model's.
+buffer), bucket counts that round, a peak inside a segment whose own moment moves. docs/methods.md#tuning-zbench-tune
+has the check against whole traces (tests/benchmarks/validate_extrapolation.py).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.sweep import operator_compute
 from zbench.plan.trace.plan import TracedRow
 
-#: The depths of the two cuts traced.
-DEPTHS = (2, 3)
+#: The depths of the two cuts traced: one apart (the lines' step), and three blocks in the shallower, so that each
+#: cut has a first, a last and an interior block (``deep_peak``).
+DEPTHS = (3, 4)
 
-#: Models of at most this many blocks are traced whole: the cuts would save little.
-TRACE_WHOLE_UP_TO = 6
+#: Models of at most this many blocks are traced whole: the cuts (7 blocks in all) would save nothing.
+TRACE_WHOLE_UP_TO = 8
 
 
 def can_extrapolate(case: Case) -> bool:
@@ -52,15 +54,60 @@ def cuts(case: Case) -> tuple[Case, Case]:
     return shallow, deeper
 
 
+def _combine(terms: list[tuple[float, Any]]) -> Any:
+    """``sum(c * x)`` through nested dicts of numbers (a key a term lacks counts as 0); ints stay ints (rounded)."""
+    if any(isinstance(x, dict) for _, x in terms):
+        keys = {key: None for _, x in terms if isinstance(x, dict) for key in x}
+        return {key: _combine([(c, x.get(key, 0) if isinstance(x, dict) else 0) for c, x in terms]) for key in keys}
+    numbers = [(c, x) for c, x in terms if isinstance(x, int | float) and not isinstance(x, bool)]
+    if len(numbers) < len(terms):
+        return terms[-1][1]  # not a number (a name): the deeper cut's
+    value = sum(c * x for c, x in numbers)
+    return round(value) if all(isinstance(x, int) for _, x in numbers) else value
+
+
 def _line(a: Any, b: Any, k: float) -> Any:
-    """``a + k (b - a)`` through nested dicts of numbers (a key one side lacks counts as 0); ints stay ints."""
-    if isinstance(a, dict) or isinstance(b, dict):
-        a, b = a or {}, b or {}
-        return {key: _line(a.get(key, 0), b.get(key, 0), k) for key in {**a, **b}}
-    if isinstance(a, bool) or not isinstance(a, int | float) or not isinstance(b, int | float):
-        return b
-    value = a + k * (b - a)
-    return round(value) if isinstance(a, int) and isinstance(b, int) else value
+    """``a + k (b - a)``: ``k`` steps of the difference between two cuts beyond the first."""
+    return _combine([(1 - k, a), (k, b)])
+
+
+def deep_peak(a: dict[str, Any], b: dict[str, Any], blocks: int) -> dict[str, Any]:
+    """A location's peak in the ``blocks``-deep model from its two cuts' segments (``zbench.plan.trace.live.Peak``).
+
+    Each segment that is not a block's (the step's start, after the blocks) lies on a line over depth. A block's
+    forward or backward segment depends on depth and on the block's place: the first and the last block each lie
+    on a line of their own (prefetching has no block before or after them); an interior block's on the plane
+    ``v(L, i) = v(3, 1) + (L - 3) (v(4, 1) - v(3, 1)) + (i - 1) (v(4, 2) - v(4, 1))`` (what earlier blocks left
+    behind grows with ``i``), evaluated at both ends of the interior. The peak is the largest of them all, and of
+    the line through the cuts' own peaks. Without segments (a model without blocks): the line through the peaks.
+    """
+    shallow, deep = DEPTHS
+    k = blocks - shallow
+    candidates = [_line(_moment(a), _moment(b), k)]
+    sa, sb = a.get("segments", {}), b.get("segments", {})
+    if sa and sb:
+        for name in {*sa, *sb}:
+            if not _block_segment(name):
+                candidates.append(_line(sa.get(name, {}), sb.get(name, {}), k))
+        for kind in ("forward", "backward"):
+            a_at = [sa.get(f"{kind} {i}", {}) for i in range(shallow)]
+            b_at = [sb.get(f"{kind} {i}", {}) for i in range(deep)]
+            candidates.append(_line(a_at[0], b_at[0], k))
+            candidates.append(_line(a_at[-1], b_at[-1], k))
+            first_interior = _line(a_at[1], b_at[1], k)
+            for i in (1, blocks - 2):
+                candidates.append(_combine([(1, first_interior), (i - 1, b_at[2]), (1 - i, b_at[1])]))
+    top = max(candidates, key=lambda m: m.get("bytes", 0) if isinstance(m, dict) else 0)
+    return {"bytes": top.get("bytes", 0), "roles": top.get("roles", {})}
+
+
+def _moment(peak: dict[str, Any]) -> dict[str, Any]:
+    return {"bytes": peak.get("bytes", 0), "roles": peak.get("roles", {})}
+
+
+def _block_segment(name: str) -> bool:
+    kind, _, index = name.partition(" ")
+    return kind in ("forward", "backward") and index.isdigit()
 
 
 @dataclass
@@ -72,10 +119,13 @@ class Extrapolated:
     deeper: TracedRow
 
     @property
+    def blocks(self) -> int:
+        return len(model_info(self.case.model).block_sizes)
+
+    @property
     def k(self) -> float:
         """How many steps of ``deeper - shallow`` the full depth lies beyond the shallow cut."""
-        blocks = len(model_info(self.case.model).block_sizes)
-        return (blocks - DEPTHS[0]) / (DEPTHS[1] - DEPTHS[0])
+        return (self.blocks - DEPTHS[0]) / (DEPTHS[1] - DEPTHS[0])
 
     @property
     def error(self) -> str | None:
@@ -89,7 +139,7 @@ class Extrapolated:
             case_id=self.case.case_id,
             state_bytes=_line(a.state_bytes, b.state_bytes, self.k),
             phases=_line(a.phases, b.phases, self.k),
-            peak=_line(a.peak, b.peak, self.k),
+            peak={loc: deep_peak(a.peak.get(loc, {}), b.peak.get(loc, {}), self.blocks) for loc in {*a.peak, *b.peak}},
             collectives=[],
             ops={},
             seconds=a.seconds + b.seconds,

@@ -60,11 +60,29 @@ class _Storage:
 
 
 @dataclass
-class Peak:
-    """The most live bytes one location held at once, and their roles at that moment."""
+class Moment:
+    """Live bytes of one location at one moment of the step, and their roles."""
 
     bytes: int = 0
     roles: dict[str, int] = field(default_factory=dict)
+
+
+#: The segment of the step before the first ``LiveBytes.mark``.
+STEP_START = "step start"
+
+
+@dataclass
+class Peak(Moment):
+    """The most live bytes one location held at once, and their roles at that moment; ``segments``: the same for
+    each stretch of the step between two marks (``LiveBytes.mark``: the tracer marks each block's forward and
+    backward, ``zbench.plan.trace.tracer.mark_blocks``).
+
+    The segments are what a peak becomes in a deeper model: each is the same stretch of the step at any depth,
+    growing with depth on a line of its own, so the peak of a deep model may lie in a segment that is not the
+    peak of a shallow one (a stage-2 FSDP1 step peaks early in backward at 2 blocks, at its end at 24:
+    ``zbench.tune.extrapolate``)."""
+
+    segments: dict[str, Moment] = field(default_factory=dict)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -77,6 +95,7 @@ class LiveBytes(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self.current: Counter[tuple[str, str]] = Counter()
         self.peaks: dict[str, Peak] = {}
+        self._segment = STEP_START
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._saved, lambda t: t)
 
     # -- bookkeeping -----------------------------------------------------------------------------
@@ -130,9 +149,14 @@ class LiveBytes(TorchDispatchMode):
     def _update_peak(self, location: str) -> None:
         total = self.live_bytes(location)
         peak = self.peaks.setdefault(location, Peak())
-        if total > peak.bytes:
-            peak.bytes = total
-            peak.roles = {role: b for (loc, role), b in self.current.items() if loc == location and b}
+        segment = peak.segments.setdefault(self._segment, Moment())
+        if total > segment.bytes:
+            segment.bytes, segment.roles = total, self._roles(location)
+            if total > peak.bytes:
+                peak.bytes, peak.roles = total, segment.roles
+
+    def _roles(self, location: str) -> dict[str, int]:
+        return {role: b for (loc, role), b in self.current.items() if loc == location and b}
 
     def live_bytes(self, location: str) -> int:
         return sum(b for (loc, _), b in self.current.items() if loc == location)
@@ -152,6 +176,12 @@ class LiveBytes(TorchDispatchMode):
             entry.role = HELD
             self.current[(entry.location, HELD)] += entry.nbytes
         self.peaks = {}
+        self.mark(STEP_START)
+
+    def mark(self, segment: str) -> None:
+        """A new stretch of the step begins (its peak starts from what is live now); a name met again (the next
+        micro-batch's) keeps the larger of its peaks."""
+        self._segment = segment
         for location in {e.location for e in self._live.values()}:
             self._update_peak(location)
 

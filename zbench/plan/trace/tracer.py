@@ -36,13 +36,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 from zbench.cases import registry
 from zbench.cases.case import Case
 from zbench.cases.model_source import build, model_info
 from zbench.cases.models import checkpoint_blocks, rank_micro_batches
 from zbench.measure import comms
-from zbench.plan.trace.live import LiveBytes
+from zbench.plan.trace.live import LiveBytes, Peak
 from zbench.plan.trace.ops import OpLedger
 
 
@@ -81,18 +82,72 @@ class TraceResult:
         return {**asdict(self), "comm_elements": self.comm_elements, "comm_bytes": self.comm_bytes}
 
 
+def peak_json(peak: Peak) -> dict[str, Any]:
+    """A location's peak, and each segment's (``zbench.plan.trace.live.Peak``)."""
+    segments = {name: {"bytes": m.bytes, "roles": m.roles} for name, m in peak.segments.items()}
+    return {"bytes": peak.bytes, "roles": peak.roles, "segments": segments}
+
+
+def mark_blocks(model: torch.nn.Module, live: LiveBytes) -> contextlib.ExitStack:
+    """Mark each block's forward (``forward I``) and backward (``backward I``) in ``live``'s segments, and the
+    stretch after the last block's forward (``after blocks``: head, loss, their backward). A block's backward
+    begins when the gradient of its output is computed; a checkpointed block's recomputation, inside backward,
+    marks nothing. Registered on the model's own blocks before an implementation wraps them (their hooks still
+    fire inside its wrappers); removed when the returned stack closes."""
+    stack = contextlib.ExitStack()
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList):
+        return stack
+    last = len(blocks) - 1
+
+    def in_backward() -> bool:
+        return bool(torch._C._current_graph_task_id() != -1)
+
+    def backward_hook(i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            live.mark(f"backward {i}")
+            return grad
+
+        return hook
+
+    for i, block in enumerate(blocks):
+
+        def before(_module: torch.nn.Module, _args: object, i: int = i) -> None:
+            if not in_backward():
+                live.mark(f"forward {i}")
+
+        def after(_module: torch.nn.Module, _args: object, out: object, i: int = i) -> None:
+            if in_backward():
+                return
+            grads = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if grads:
+                grads[0].register_hook(backward_hook(i))
+            if i == last:
+                live.mark("after blocks")
+
+        stack.callback(block.register_forward_pre_hook(before).remove)
+        stack.callback(block.register_forward_hook(after).remove)
+    return stack
+
+
 def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}"
 
 
-def mark_phases(model: torch.nn.Module, ops: OpLedger) -> torch.utils.hooks.RemovableHandle:
-    """Mark, in the ledger's call log and in ``ops``, where each forward ends (the model returned its loss) and
-    where each backward ends (autograd's queue-callback, queued from the loss's own gradient hook)."""
+#: The segments of live bytes (``LiveBytes.mark``) that begin where a forward and a backward end.
+SEGMENT_AFTER = {"forward_end": "backward start", "backward_end": "after backward"}
+
+
+def mark_phases(model: torch.nn.Module, ops: OpLedger, live: LiveBytes) -> torch.utils.hooks.RemovableHandle:
+    """Mark, in the ledger's call log, in ``ops`` and in ``live``'s segments, where each forward ends (the model
+    returned its loss) and where each backward ends (autograd's queue-callback, queued from the loss's own
+    gradient hook)."""
 
     def mark(name: str) -> None:
         comms.mark(name)
         ops.mark(name)
+        live.mark(SEGMENT_AFTER[name])
 
     def backward_started(grad: torch.Tensor) -> torch.Tensor:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: mark("backward_end"))
@@ -193,7 +248,8 @@ def trace_case(
             model = build(case.model, seed=case.seed, device=device)
             if case.activation_checkpointing:
                 checkpoint_blocks(model)
-            stack.enter_context(mark_phases(model, ops))  # the hook is removed with the trace
+            stack.enter_context(mark_phases(model, ops, live))  # the hook is removed with the trace
+            stack.enter_context(mark_blocks(model, live))
             on_phase(f"wrapping the model with {case.implementation}")
             engine = registry.resolve(case.implementation).build(
                 model, case.train_spec(device, swap_dir=swap_dir), dist.group.WORLD
@@ -216,7 +272,7 @@ def trace_case(
                 result.collectives = comms.take()
                 result.phases = phase_of(comms.take_calls())
                 result.ops = ops.take()
-                result.peak = {loc: {"bytes": p.bytes, "roles": p.roles} for loc, p in live.peaks.items()}
+                result.peak = {loc: peak_json(p) for loc, p in live.peaks.items()}
                 result.state_bytes = engine.state_bytes()
             finally:
                 engine.close()
