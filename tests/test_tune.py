@@ -170,31 +170,35 @@ def test_the_cache_key_changes_with_every_input_and_a_failed_trace_is_not_kept(t
 
 
 def test_two_cuts_extrapolated_over_blocks_give_the_whole_models_figures():
-    """gpt-125m (12 blocks) traced whole and as its 3- and 4-block cuts: model states, bytes sent and the
-    predicted step on the line through the cuts equal the whole trace's, and the peak, extrapolated segment by
-    segment (docs/data/validate_extrapolation.json has every implementation x offload mode at two sizes)."""
+    """gpt-350m (24 blocks) traced whole and as its 5- and 6-block cuts: model states, bytes sent and the peak
+    (extrapolated segment by segment) equal the whole trace's; the predicted step within 0.5%, as DDP's bucketed
+    all-reduces are counted on a line (47 calls for 38), which only their latency feels
+    (docs/data/validate_extrapolation.json has every implementation x offload mode at two sizes)."""
     from zbench.plan.simulate.cluster import load
     from zbench.plan.simulate.sweep import estimate_row
     from zbench.plan.trace.plan import make_case, trace_plan
     from zbench.tune.extrapolate import Extrapolated, can_extrapolate, cuts
 
     cluster = load("h100-sxm")
-    cases = [make_case("gpt-125m", name, stage, "none", gpus=2, precision="bf16", micro_batch=1, seq_len=16,
+    cases = [make_case("gpt-350m", name, stage, "none", gpus=2, precision="bf16", micro_batch=1, seq_len=16,
                        device="cpu", checkpointing=False) for name, stage in (("ddp", 0), ("zero3", 3))]  # fmt: skip
     assert all(can_extrapolate(c) for c in cases)
     rows = trace_plan([job for c in cases for job in (c, *cuts(c))], device="cpu")
     for i, case in enumerate(cases):
         whole, shallow, deeper = rows[3 * i : 3 * i + 3]
-        assert shallow.case.model == "gpt-125m@blocks=3" and not whole.trace.error
+        assert shallow.case.model == "gpt-350m@blocks=5" and not whole.trace.error
         line = Extrapolated(case, shallow, deeper)
         ext = line.row()
         assert ext.trace.state_bytes == whole.trace.state_bytes
-        assert ext.trace.phases == whole.trace.phases
+        for phase, ops in whole.trace.phases.items():  # bytes exact; DDP's bucket count rounds (see the docs)
+            for op, e in ops.items():
+                assert ext.trace.phases[phase][op]["bytes"] == e["bytes"]
+                assert ext.trace.phases[phase][op]["count"] == pytest.approx(e["count"], rel=0.3)
         assert ext.peak() == pytest.approx(whole.peak(), rel=0.001)
         extrapolated_step = estimate_row(ext, cluster, 2, line.phase_compute(cluster, 2)).step_s
-        assert extrapolated_step == pytest.approx(estimate_row(whole, cluster, 2).step_s, rel=1e-6)
+        assert extrapolated_step == pytest.approx(estimate_row(whole, cluster, 2).step_s, rel=0.005)
         # and the shallow cut alone is not the whole model: the line is doing the work
-        assert deeper.located("device") < 0.7 * whole.located("device")  # embeddings and head are most of 125m
+        assert deeper.located("device") < 0.5 * whole.located("device")
 
 
 def test_what_cannot_be_cut_is_traced_whole():
@@ -205,7 +209,7 @@ def test_what_cannot_be_cut_is_traced_whole():
         return make_case(model, name, stage, "none", gpus=2, precision="fp32", micro_batch=1, seq_len=16,
                          device="cpu", checkpointing=False)  # fmt: skip
 
-    assert can_extrapolate(case("gpt-125m"))
-    assert not can_extrapolate(case("gpt-125m", "torch_zero", 1))  # declares itself not blockwise
-    assert not can_extrapolate(case("small"))  # 4 blocks: whole is cheap
-    assert not can_extrapolate(case("gpt-125m@blocks=8"))  # already a cut
+    assert can_extrapolate(case("gpt-350m"))
+    assert not can_extrapolate(case("gpt-350m", "torch_zero", 1))  # declares itself not blockwise
+    assert not can_extrapolate(case("gpt-125m"))  # 12 blocks: the cuts hold 11
+    assert not can_extrapolate(case("gpt-350m@blocks=8"))  # already a cut

@@ -1,12 +1,12 @@
-"""How far ``zbench tune``'s extrapolated traces (two cuts of the model, 2 and 3 blocks, extrapolated over blocks:
+"""How far ``zbench tune``'s extrapolated traces (two cuts of the model, 5 and 6 blocks, extrapolated over blocks:
 ``zbench.tune.extrapolate``) are from whole traces, for every implementation x offload mode that traces here.
 
     python tests/benchmarks/validate_extrapolation.py [--out docs/data/validate_extrapolation.json]
 
 Two settings, each every blockwise built-in x stage x offload mode on fake CPU tensors:
 
-- gpt-125m (12 blocks) at 2 ranks, micro-batch 1, 64 tokens, no checkpointing;
-- gpt-350m (24 blocks) at 8 ranks, micro-batch 2, 64 tokens, activation checkpointing.
+- gpt-350m (24 blocks, width 1,024) at 2 ranks, micro-batch 1, 64 tokens, no checkpointing;
+- gpt-1.3b (24 blocks, width 2,048) at 8 ranks, micro-batch 2, 64 tokens, activation checkpointing.
 
 For each: model-state bytes per location, the peak of live bytes on the device, bytes sent per step, and the
 predicted step on h100-sxm's datasheet operator rates, each as (extrapolated - whole) / whole. Writes the table
@@ -32,8 +32,8 @@ from zbench.tune.extrapolate import Extrapolated, can_extrapolate, cuts
 from zbench.tune.search import needs_of
 
 SETTINGS = (
-    {"model": "gpt-125m", "world": 2, "micro_batch": 1, "checkpointing": False},
-    {"model": "gpt-350m", "world": 8, "micro_batch": 2, "checkpointing": True},
+    {"model": "gpt-350m", "world": 2, "micro_batch": 1, "checkpointing": False},
+    {"model": "gpt-1.3b", "world": 8, "micro_batch": 2, "checkpointing": True},
 )
 IMPLEMENTATIONS = ("ddp", "fsdp", "fsdp1", "torch_zero", "zero1", "zero2", "zero3")
 SEQ = 64

@@ -1,5 +1,5 @@
-"""A model cut to its first few blocks, by name: ``gpt-70b@blocks=2`` is gpt-70b's width, embeddings and head with
-2 of its 87 blocks.
+"""A model cut to its first few blocks, by name: ``gpt-70b@blocks=3`` is gpt-70b's width, embeddings and head with
+3 of its 87 blocks.
 
 ``zbench tune`` traces such cuts at two depths and extrapolates over blocks (``zbench.tune.extrapolate``): a
 step's bytes, collectives and operators are one part that does not depend on depth plus one per block. The cut

@@ -83,7 +83,7 @@ WholeOpt = Annotated[
     bool,
     typer.Option(
         "--whole",
-        help="Trace each setup's whole model, not two cuts of it (2 and 3 blocks) extrapolated over blocks: exact, "
+        help="Trace each setup's whole model, not two cuts of it (5 and 6 blocks) extrapolated over blocks: exact, "
         "and minutes per setup at 70B.",
     ),
 ]
@@ -239,6 +239,7 @@ def _print_answer(
     q: Any, profile: Any, limits: Any, ranked: list, left_out: list[str], top: int, elapsed: float
 ) -> None:
     from zbench.plan.simulate.sweep import MEASURED_ERROR
+    from zbench.tune.extrapolate import DEPTHS
     from zbench.tune.search import best_per_implementation, what_separates
 
     survivors = [c for c in ranked if c.pruned is None]
@@ -275,7 +276,8 @@ def _print_answer(
     lines += left_out
     if any(c.extrapolated for c in ranked):
         lines.append(
-            f"each setup traced as {q.model} cut to 2 and 3 blocks and extrapolated over blocks (--whole: whole models)"
+            f"each setup traced as {q.model} cut to {' and '.join(map(str, DEPTHS))} blocks and extrapolated over "
+            "blocks (--whole: whole models)"
         )
     if limits.host_bytes_per_node is None:
         lines.append("host memory not checked (give --host-memory GiB per node)")

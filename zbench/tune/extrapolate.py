@@ -1,10 +1,10 @@
-"""A deep model's trace from two shallow cuts of it: ``tune`` traces ``NAME@blocks=3`` and ``NAME@blocks=4``
+"""A deep model's trace from two shallow cuts of it: ``tune`` traces ``NAME@blocks=5`` and ``NAME@blocks=6``
 (``zbench.cases.depth``) and extrapolates over blocks, instead of tracing all of a 70B model's 80 layers.
 
 A transformer's blocks are alike, so each figure a step produces is one part that does not depend on depth
 (embeddings, head, final norm, the loss) plus one per block: model-state bytes by category and location, each
 phase's collectives (bytes and calls) and each phase's compute seconds on the cluster's operator rates. So
-``Q(L) = Q(3) + (L - 3) * (Q(4) - Q(3))``.
+``Q(L) = Q(5) + (L - 5) * (Q(6) - Q(5))``.
 
 The peak of live bytes is not one such figure: it is the largest of many moments, and which moment wins can
 change with depth (``deep_peak``), so it is extrapolated segment by segment of the step and the largest taken.
@@ -28,12 +28,17 @@ from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.sweep import operator_compute
 from zbench.plan.trace.plan import TracedRow
 
-#: The depths of the two cuts traced: one apart (the lines' step), and three blocks in the shallower, so that each
-#: cut has a first, a last and an interior block (``deep_peak``).
-DEPTHS = (3, 4)
+#: Blocks at each end of the model whose live bytes differ from the blocks between them (``deep_peak``): the
+#: first and the last, and their neighbours (a stage-3 engine prefetches the next block's parameters, and a
+#: second block's backward still holds what the first block's prefetch brought).
+EDGE = 2
 
-#: Models of at most this many blocks are traced whole: the cuts (7 blocks in all) would save nothing.
-TRACE_WHOLE_UP_TO = 8
+#: The depths of the two cuts traced: one apart (the lines' step), with one steady block between the edges in the
+#: shallower and two in the deeper (``deep_peak``'s plane needs three points).
+DEPTHS = (2 * EDGE + 1, 2 * EDGE + 2)
+
+#: Models of at most this many blocks are traced whole: the cuts (11 blocks in all) would save nothing.
+TRACE_WHOLE_UP_TO = 12
 
 
 def can_extrapolate(case: Case) -> bool:
@@ -74,12 +79,13 @@ def _line(a: Any, b: Any, k: float) -> Any:
 def deep_peak(a: dict[str, Any], b: dict[str, Any], blocks: int) -> dict[str, Any]:
     """A location's peak in the ``blocks``-deep model from its two cuts' segments (``zbench.plan.trace.live.Peak``).
 
-    Each segment that is not a block's (the step's start, after the blocks) lies on a line over depth. A block's
-    forward or backward segment depends on depth and on the block's place: the first and the last block each lie
-    on a line of their own (prefetching has no block before or after them); an interior block's on the plane
-    ``v(L, i) = v(3, 1) + (L - 3) (v(4, 1) - v(3, 1)) + (i - 1) (v(4, 2) - v(4, 1))`` (what earlier blocks left
-    behind grows with ``i``), evaluated at both ends of the interior. The peak is the largest of them all, and of
-    the line through the cuts' own peaks. Without segments (a model without blocks): the line through the peaks.
+    Each segment that is not a block's (the step's start, after the blocks, the optimizer step) lies on a line
+    over depth. A block's forward or backward segment depends on depth and on the block's place: each of the
+    ``EDGE`` blocks at either end lies on a line of its own; a steady block between them on the plane
+    ``v(L, i) = v(5, 2) + (L - 5) (v(6, 2) - v(5, 2)) + (i - 2) (v(6, 3) - v(6, 2))`` (what earlier blocks left
+    behind, such as checkpointed inputs, grows with ``i``), evaluated at both ends of the steady stretch. The
+    peak is the largest of them all, and of the line through the cuts' own peaks. Without segments (a model
+    without blocks): the line through the peaks.
     """
     shallow, deep = DEPTHS
     k = blocks - shallow
@@ -92,11 +98,12 @@ def deep_peak(a: dict[str, Any], b: dict[str, Any], blocks: int) -> dict[str, An
         for kind in ("forward", "backward"):
             a_at = [sa.get(f"{kind} {i}", {}) for i in range(shallow)]
             b_at = [sb.get(f"{kind} {i}", {}) for i in range(deep)]
-            candidates.append(_line(a_at[0], b_at[0], k))
-            candidates.append(_line(a_at[-1], b_at[-1], k))
-            first_interior = _line(a_at[1], b_at[1], k)
-            for i in (1, blocks - 2):
-                candidates.append(_combine([(1, first_interior), (i - 1, b_at[2]), (1 - i, b_at[1])]))
+            for j in range(EDGE):
+                candidates.append(_line(a_at[j], b_at[j], k))
+                candidates.append(_line(a_at[-1 - j], b_at[-1 - j], k))
+            steady = _line(a_at[EDGE], b_at[EDGE], k)  # v(L, EDGE)
+            for i in (EDGE, blocks - 1 - EDGE):
+                candidates.append(_combine([(1, steady), (i - EDGE, b_at[EDGE + 1]), (EDGE - i, b_at[EDGE])]))
     top = max(candidates, key=lambda m: m.get("bytes", 0) if isinstance(m, dict) else 0)
     return {"bytes": top.get("bytes", 0), "roles": top.get("roles", {})}
 

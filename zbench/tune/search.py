@@ -22,7 +22,7 @@ from zbench.plan.simulate.sweep import estimate_row
 from zbench.plan.trace.plan import TracedRow, trace_plan
 from zbench.results.formatting import fmt_bytes
 from zbench.tune.cache import TraceCache, trace_key
-from zbench.tune.extrapolate import Extrapolated, can_extrapolate, cuts
+from zbench.tune.extrapolate import DEPTHS, Extrapolated, can_extrapolate, cuts
 from zbench.tune.space import describe
 
 GIB = 2**30
@@ -140,7 +140,8 @@ def trace_all(
         if trace is not None:
             found[trace_key(job)] = TracedRow(job, trace, placement_for(job))
     missing = [job for job in jobs if trace_key(job) not in found]
-    cut = " (cut to 2 and 3 blocks, extrapolated over blocks)" if any(len(p) == 2 for p in plans.values()) else ""
+    depths = " and ".join(map(str, DEPTHS))
+    cut = f" (cut to {depths} blocks, extrapolated over blocks)" if any(len(p) == 2 for p in plans.values()) else ""
     progress(f"{len(cases)} setups: {len(jobs)} traces{cut}, {len(found)} from the cache, {len(missing)} to run")
     if missing:
         for job, row in zip(missing, trace_plan(missing, device=missing[0].device, progress=progress), strict=True):
