@@ -244,7 +244,8 @@ def _print_answer(
 
     survivors = [c for c in ranked if c.pruned is None]
     pruned = [c for c in ranked if c.pruned is not None]
-    where = f"{q.gpus} x {profile.gpu} ({q.gpus // limits.gpus_per_node} node(s) of {limits.gpus_per_node})"
+    nodes = -(-q.gpus // limits.gpus_per_node)
+    where = f"{q.gpus} x {profile.gpu} ({nodes} node{'s' if nodes > 1 else ''} of up to {limits.gpus_per_node})"
     batch = f", global batch {q.global_batch_tokens:,} tokens" if q.global_batch_tokens else ""
     table = Table(title=f"{q.model} on {where}, {q.precision}, {q.seq_len} tokens per sequence{batch}")
     columns = ("#", "setup", "tokens/s per GPU", "step", "MFU", "exposed comm", "offload", "GPU peak", "headroom",
