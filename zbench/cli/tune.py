@@ -17,7 +17,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from zbench.cli.options import DEFAULT_PRECISION, JsonOpt, stdout
+from zbench.cli.options import DEFAULT_PRECISION, JsonOpt, key_values, stdout
 from zbench.cli.plan import ModelOpt, checked_model_info
 from zbench.errors import UsageError
 from zbench.plan.memory import DEFAULT_RESERVE
@@ -75,6 +75,16 @@ TuneReserveOpt = Annotated[
         "context, which no trace sees."
     ),
 ]
+TuneOptionOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--option",
+        metavar="KEY=VALUE",
+        help="An implementation option, as a suite's `options:` (repeatable; VALUE read as YAML), given to every "
+        "searched implementation that takes it; e.g. nvme_chunk_mb=256 for the reference engine's NVMe sub-groups "
+        "at 70B (its 1 MiB default takes minutes per trace there). Options are not searched yet.",
+    ),
+]
 TopOpt = Annotated[int, typer.Option(help="Setups shown in the ranking.")]
 FreshOpt = Annotated[
     bool, typer.Option("--fresh", help="Trace every setup again, ignoring (and refreshing) the trace cache.")
@@ -108,6 +118,7 @@ def tune(
     implementation: TuneImplementationOpt = None,
     offload: TuneOffloadOpt = None,
     checkpointing: CheckpointingChoice = "both",
+    option: TuneOptionOpt = None,
     reserve: TuneReserveOpt = DEFAULT_RESERVE,
     top: TopOpt = 10,
     fresh: FreshOpt = False,
@@ -148,7 +159,7 @@ def tune(
         implementations=_implementations(implementation), offloads=tuple(offload or OFFLOAD_MODES),
         micro_batches=tuple(micro_batch or space.DEFAULT_MICRO_BATCHES),
         checkpointing=_checkpointing(checkpointing, has_blocks=info.has_blocks),
-        global_batch_tokens=global_batch, device=dev,
+        global_batch_tokens=global_batch, device=dev, options=key_values("--option", option or []),
     )  # fmt: skip
     found = space.search_space(question)
     if not found.cases:

@@ -11,7 +11,11 @@ measured error its compute model has against real runs.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import sys
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from zbench.cases.case import Case
@@ -108,6 +112,32 @@ def prune(candidate: Candidate, limits: Limits, *, by: str = "") -> None:
             return
 
 
+def trace_in_parallel(jobs: list[Case], *, progress: Callable[[str], None]) -> list[TracedRow]:
+    """``trace_plan`` of ``jobs`` in their order, spread over one process per core (a fake trace runs Python on
+    one core; each process holds its own fake process group), each job's progress line prefixed by its worker."""
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if workers < 2:
+        return trace_plan(jobs, device=jobs[0].device, progress=progress)
+    progress(f"tracing in {workers} processes")
+    chunks = [jobs[w::workers] for w in range(workers)]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(_trace_chunk, chunks, range(workers)))
+    rows: list[TracedRow] = [None] * len(jobs)  # type: ignore[list-item]  # every slot is filled below
+    for w, chunk_rows in enumerate(results):
+        for j, row in enumerate(chunk_rows):
+            rows[w + j * workers] = row
+    return rows
+
+
+def _trace_chunk(jobs: list[Case], worker: int) -> list[TracedRow]:
+    """One worker's share of ``trace_in_parallel``, its progress on stderr."""
+
+    def say(line: str) -> None:
+        print(f"[worker {worker + 1}] {line.strip()}", file=sys.stderr, flush=True)
+
+    return trace_plan(jobs, device=jobs[0].device, progress=say)
+
+
 @dataclass
 class Traced:
     """One setup's trace: whole, or the line through two cuts of its model (``extrapolated``)."""
@@ -144,7 +174,7 @@ def trace_all(
     cut = f" (cut to {depths} blocks, extrapolated over blocks)" if any(len(p) == 2 for p in plans.values()) else ""
     progress(f"{len(cases)} setups: {len(jobs)} traces{cut}, {len(found)} from the cache, {len(missing)} to run")
     if missing:
-        for job, row in zip(missing, trace_plan(missing, device=missing[0].device, progress=progress), strict=True):
+        for job, row in zip(missing, trace_in_parallel(missing, progress=progress), strict=True):
             if cache:
                 cache.put(job, row.trace)
             found[trace_key(job)] = row
@@ -200,7 +230,7 @@ def search(
         floor = formula_needs(c.case, limits.gpus_per_node)
         c.needs = Needs(gpu=floor.gpu * (1 - FORMULA_SLACK), host_per_node=floor.host_per_node * (1 - FORMULA_SLACK),
                         disk_per_node=floor.disk_per_node * (1 - FORMULA_SLACK))  # fmt: skip
-        prune(c, limits, by=" (model states alone, by the ZeRO formulas; not traced)")
+        prune(c, limits, by=f" at least (model states alone: the ZeRO formulas' less {FORMULA_SLACK:.0%}; not traced)")
         c.needs = None
     untraced = sum(c.pruned is not None for c in candidates)
     if untraced:

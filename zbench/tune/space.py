@@ -33,6 +33,8 @@ class Question:
     checkpointing: tuple[bool, ...]
     global_batch_tokens: int | None
     device: str
+    options: dict[str, object] = field(default_factory=dict)
+    """Implementation options every searched setup gets (``--option``)."""
 
 
 @dataclass
@@ -74,7 +76,7 @@ def search_space(q: Question) -> Space:
             for ckpt in q.checkpointing:
                 case = make_case(
                     q.model, name, stage, offload, gpus=q.gpus, precision=q.precision, micro_batch=mb,
-                    seq_len=q.seq_len, device=q.device, checkpointing=ckpt,
+                    seq_len=q.seq_len, device=q.device, checkpointing=ckpt, options=q.options,
                 )  # fmt: skip
                 space.cases.append(case.model_copy(update={"grad_accum": ga}) if ga > 1 else case)
     return space
