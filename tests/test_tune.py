@@ -86,7 +86,7 @@ def test_the_gpu_limit_prunes_exactly_the_setups_whose_traced_peak_exceeds_it(tu
     assert traced and all(s["needs"]["gpu"] > cut * 0.9999 and s["pruned"].startswith("GPU: needs") for s in traced)
     assert all("over by" in s["pruned"] for s in traced)
     assert skipped and all("not traced" in s["pruned"] for s in skipped)
-    assert any("by the ZeRO formulas" in s["pruned"] for s in skipped)  # DDP's whole model states
+    assert any("model states alone: the ZeRO formulas" in s["pruned"] for s in skipped)  # DDP: whole states
     assert any("micro-batch 1 of the same setup already does not fit" in s["pruned"] for s in skipped)
     unlimited = {s["name"]: s["needs"]["gpu"] for s in answer["ranked"]}
     assert {s["name"] for s in doc["pruned"]} == {name for name, need in unlimited.items() if need > cut}

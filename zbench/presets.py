@@ -131,9 +131,9 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 def preset(name: str) -> GPTConfig | None:
-    """A preset's configuration, cut to fewer blocks when the name says so (``zbench.cases.depth``); None when
+    """A preset's configuration, cut to fewer blocks when the name says so (``zbench.depth``); None when
     ``name`` is not a preset."""
-    from zbench.cases.depth import split_depth
+    from zbench.depth import split_depth
 
     base, blocks = split_depth(name)
     if base not in PRESETS:

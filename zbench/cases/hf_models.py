@@ -252,7 +252,7 @@ def is_hf_model(name: str) -> bool:
 
 
 def _split_depth(name: str) -> tuple[str, int | None]:
-    from zbench.cases.depth import split_depth
+    from zbench.depth import split_depth
 
     try:
         return split_depth(name)
@@ -262,7 +262,7 @@ def _split_depth(name: str) -> tuple[str, int | None]:
 
 def arch(name: str) -> HFArch:
     """The architecture of a published name or a local config file, cut to fewer layers when the name says so
-    (``zbench.cases.depth``)."""
+    (``zbench.depth``)."""
     base, blocks = _split_depth(name)
     if blocks is not None:
         return arch(base).with_layers(blocks, name)

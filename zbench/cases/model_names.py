@@ -7,7 +7,7 @@ transformers ``config.json``, or a builder of the user's (``my_pkg.models:build`
 from __future__ import annotations
 
 from zbench.cases import hf_models
-from zbench.cases.depth import split_depth
+from zbench.depth import split_depth
 from zbench.presets import PRESETS
 
 KINDS = "a preset, a published architecture (zbench list), path/to/config.json, or module:builder (your own)"

@@ -136,15 +136,50 @@ def tune(
     from zbench.tune.cache import TraceCache
 
     started = time.perf_counter()
+    _check_numbers(gpus, nodes, gpu_memory, host_memory, disk, global_batch, micro_batch, top, reserve)
+    question, profile = _question(
+        model, cluster, gpus=gpus, nodes=nodes, global_batch=global_batch, micro_batch=micro_batch, seq_len=seq_len,
+        precision=precision, implementation=implementation, offload=offload, checkpointing=checkpointing,
+        option=option, device=device,
+    )  # fmt: skip
+    found = space.search_space(question)
+    if not found.cases:
+        raise UsageError("nothing to search: " + "; ".join(found.left_out or ["no setup runs here"]))
+    limits = search.Limits(
+        gpu_bytes=(gpu_memory or profile.memory_gib) * search.GIB, reserve=reserve,
+        host_bytes_per_node=host_memory * search.GIB if host_memory else None,
+        disk_bytes_per_node=disk * search.GIB if disk else None, gpus_per_node=profile.gpus_per_node,
+    )  # fmt: skip
+    ranked = search.search(
+        found.cases, profile, limits, cache=TraceCache(), fresh=fresh, progress=trace_mod.stderr_progress,
+        extrapolate=not whole,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - started
+    survivors = [c for c in ranked if c.pruned is None]
+    if not survivors:
+        raise UsageError(_nothing_fits(ranked, limits))
+    if as_json:
+        print(json.dumps(_document(question, profile, limits, ranked, found.left_out, elapsed), indent=1))
+        return
+    _print_answer(question, profile, limits, ranked, found.left_out, top, elapsed)
+
+
+def _question(
+    model: str | None, cluster: str | None, *, gpus: int, nodes: int | None, global_batch: int | None,
+    micro_batch: list[int] | None, seq_len: int | None, precision: Precision, implementation: list[str] | None,
+    offload: list[str] | None, checkpointing: str, option: list[str] | None, device: str,
+) -> tuple[Any, Any]:  # fmt: skip
+    """The search the flags ask for, and the cluster profile with the node size they give; one line when bad."""
+    from zbench.plan.trace import plan as trace_mod
+    from zbench.tune import space
+
     if model is None:
         raise UsageError("--model is required (a preset, a published architecture, config.json or module:builder)")
     if cluster is None:
         raise UsageError("--cluster is required (a built-in profile such as h100-sxm, or a YAML file)")
     info = checked_model_info(model, built=True)
     profile = _cluster(cluster)
-    _check_numbers(gpus, nodes, gpu_memory, host_memory, disk, global_batch, micro_batch, top, reserve)
     per_node = gpus // nodes if nodes else min(gpus, profile.gpus_per_node)
-    profile = profile.model_copy(update={"gpus_per_node": per_node})
     seq = seq_len or info.default_seq_len
     if not 1 <= seq <= info.seq:
         raise UsageError(f"--seq-len must be in 1..{info.seq}")
@@ -161,27 +196,7 @@ def tune(
         checkpointing=_checkpointing(checkpointing, has_blocks=info.has_blocks),
         global_batch_tokens=global_batch, device=dev, options=key_values("--option", option or []),
     )  # fmt: skip
-    found = space.search_space(question)
-    if not found.cases:
-        raise UsageError("nothing to search: " + "; ".join(found.left_out or ["no setup runs here"]))
-    limits = search.Limits(
-        gpu_bytes=(gpu_memory or profile.memory_gib) * search.GIB, reserve=reserve,
-        host_bytes_per_node=host_memory * search.GIB if host_memory else None,
-        disk_bytes_per_node=disk * search.GIB if disk else None, gpus_per_node=per_node,
-    )  # fmt: skip
-    cache = TraceCache()
-    ranked = search.search(
-        found.cases, profile, limits, cache=cache, fresh=fresh, progress=trace_mod.stderr_progress,
-        extrapolate=not whole,
-    )  # fmt: skip
-    elapsed = time.perf_counter() - started
-    survivors = [c for c in ranked if c.pruned is None]
-    if not survivors:
-        raise UsageError(_nothing_fits(ranked, limits))
-    if as_json:
-        print(json.dumps(_document(question, profile, limits, ranked, found.left_out, elapsed), indent=1))
-        return
-    _print_answer(question, profile, limits, ranked, found.left_out, top, elapsed)
+    return question, profile.model_copy(update={"gpus_per_node": per_node})
 
 
 def _cluster(name: str) -> Any:

@@ -1,5 +1,5 @@
 """A deep model's trace from two shallow cuts of it: ``tune`` traces ``NAME@blocks=5`` and ``NAME@blocks=6``
-(``zbench.cases.depth``) and extrapolates over blocks, instead of tracing all of a 70B model's 80 layers.
+(``zbench.depth``) and extrapolates over blocks, instead of tracing all of a 70B model's 80 layers.
 
 A transformer's blocks are alike, so each figure a step produces is one part that does not depend on depth
 (embeddings, head, final norm, the loss) plus one per block: model-state bytes by category and location, each
@@ -21,9 +21,9 @@ from typing import Any
 
 from zbench.cases import registry
 from zbench.cases.case import Case
-from zbench.cases.depth import at_depth, split_depth
 from zbench.cases.formulas import placement_for
 from zbench.cases.model_source import model_info
+from zbench.depth import at_depth, split_depth
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.sweep import operator_compute
 from zbench.plan.trace.plan import TracedRow
