@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,10 @@ from zbench.plan.trace.heartbeat import Heartbeat
 from zbench.plan.trace.shims import fake_world
 from zbench.plan.trace.tracer import TraceResult, trace_case, why_untraceable
 from zbench.values import CATEGORIES, LOCATIONS, OFFLOAD_MODES
+
+#: Warnings torch gives on every trace that say nothing about the user's setup: FSDP1's NO_SHARD (zbench's FSDP1
+#: at stage 0, kept as the DDP-like baseline) is deprecated, and FSDP1 reads a data pointer of a fake tensor.
+QUIET = ("The `NO_SHARD` sharding strategy is deprecated", "Accessing the data pointer of FakeTensor is deprecated")
 
 #: Differences per category under this share of the formula are rounding, not worth a line.
 TOLERANCE = 0.02
@@ -200,7 +205,13 @@ def trace_plan(
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     rows = []
-    with fake_world(cases[0].world_size, backend=backend), Heartbeat(progress or (lambda _: None)) as beat:
+    with (
+        fake_world(cases[0].world_size, backend=backend),
+        Heartbeat(progress or (lambda _: None)) as beat,
+        warnings.catch_warnings(),
+    ):
+        for message in QUIET:
+            warnings.filterwarnings("ignore", message=message)
         for i, case in enumerate(cases, 1):
             what = f"{case.implementation} stage {case.stage} offload {case.offload}"
             if case.micro_batch > 1 or case.grad_accum > 1 or case.activation_checkpointing:
