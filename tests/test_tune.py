@@ -180,8 +180,11 @@ def test_two_cuts_extrapolated_over_blocks_give_the_whole_models_figures():
     from zbench.tune.extrapolate import Extrapolated, can_extrapolate, cuts
 
     cluster = load("h100-sxm")
+    # ZeRO-3 with checkpointing: each block's saved input stays to the end of forward, so a block's live bytes grow
+    # with its place, the plane's second direction
+    setups = (("ddp", 0, False), ("zero3", 3, True))
     cases = [make_case("gpt-350m", name, stage, "none", gpus=2, precision="bf16", micro_batch=1, seq_len=16,
-                       device="cpu", checkpointing=False) for name, stage in (("ddp", 0), ("zero3", 3))]  # fmt: skip
+                       device="cpu", checkpointing=ckpt) for name, stage, ckpt in setups]  # fmt: skip
     assert all(can_extrapolate(c) for c in cases)
     rows = trace_plan([job for c in cases for job in (c, *cuts(c))], device="cpu")
     for i, case in enumerate(cases):
@@ -213,3 +216,32 @@ def test_what_cannot_be_cut_is_traced_whole():
     assert not can_extrapolate(case("gpt-350m", "torch_zero", 1))  # declares itself not blockwise
     assert not can_extrapolate(case("gpt-125m"))  # 12 blocks: the cuts hold 11
     assert not can_extrapolate(case("gpt-350m@blocks=8"))  # already a cut
+
+
+def test_a_setup_that_accumulates_is_not_judged_by_a_larger_micro_batch_that_does_not():
+    """With a global batch, micro-batch 1 accumulates over 4 micro-steps (FSDP keeps whole gradients between them)
+    and micro-batch 4 does not: not fitting at 1 says nothing about 4. Two that both accumulate are compared."""
+    from zbench.tune.search import _siblings
+
+    q = _question(implementations=("fsdp",), micro_batches=(1, 2, 4), global_batch_tokens=4 * 32 * 2)
+    by_mb = {c.micro_batch: c for c in search_space(q).cases if c.offload == "none"}
+    assert [by_mb[m].grad_accum for m in (1, 2, 4)] == [4, 2, 1]
+    assert _siblings(by_mb[1]) == _siblings(by_mb[2]) != _siblings(by_mb[4])
+
+
+def test_a_transformers_config_that_keeps_its_shapes_still_keys_a_new_trace(tmp_path):
+    """A local config.json edited where no parameter shape shows (the norm's epsilon) traces anew."""
+    from zbench.cases.hf_models import CONFIG_DIR
+    from zbench.tune.cache import trace_key
+
+    source = json.loads((CONFIG_DIR / "llama-2-7b.json").read_text())
+    config = source.get("transformers_config", source)
+    paths = []
+    for i, eps in enumerate((1e-5, 1e-6)):
+        path = tmp_path / f"c{i}" / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({**config, "rms_norm_eps": eps}))
+        paths.append(str(path))
+    (a,) = search_space(_question(model=paths[0], micro_batches=(1,), seq_len=16)).cases
+    b = a.model_copy(update={"model": paths[1]})
+    assert trace_key(a) != trace_key(b)

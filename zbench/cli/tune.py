@@ -180,7 +180,11 @@ def _question(
     info = checked_model_info(model, built=True)
     profile = _cluster(cluster)
     per_node = gpus // nodes if nodes else min(gpus, profile.gpus_per_node)
-    seq = seq_len or info.default_seq_len
+    if per_node > profile.gpus_per_node:
+        raise UsageError(
+            f"--nodes {nodes}: {per_node} GPUs per node, and a {profile.name} node holds {profile.gpus_per_node}"
+        )
+    seq = info.default_seq_len if seq_len is None else seq_len
     if not 1 <= seq <= info.seq:
         raise UsageError(f"--seq-len must be in 1..{info.seq}")
     bad = [o for o in offload or () if o not in OFFLOAD_MODES]
@@ -246,6 +250,8 @@ def _nothing_fits(ranked: list, limits: Any) -> str:
     """One line: no setup fits; the nearest, by how much, and the GPU count at which it would."""
     from zbench.tune.search import gpus_that_would_fit
 
+    if all(c.pruned and c.pruned.startswith("cannot trace") for c in ranked):
+        return f"no setup could be traced; {ranked[0].name}: {ranked[0].pruned}"
     nearest = next((c for c in ranked if c.needs is not None), ranked[0])
     line = f"no setup fits; the nearest is {nearest.name}: {nearest.pruned}"
     gpus = gpus_that_would_fit(nearest, limits)
@@ -301,16 +307,20 @@ def _print_answer(
     if len(pruned) > 5:
         lines.append(f"  ... and {len(pruned) - 5} more (--json lists every one)")
     lines += left_out
-    if any(c.extrapolated for c in ranked):
+    if cut := sum(c.extrapolated for c in ranked):
         lines.append(
-            f"each setup traced as {q.model} cut to {' and '.join(map(str, DEPTHS))} blocks and extrapolated over "
+            f"{cut} setups traced as {q.model} cut to {' and '.join(map(str, DEPTHS))} blocks and extrapolated over "
             "blocks (--whole: whole models)"
         )
     if limits.host_bytes_per_node is None:
         lines.append("host memory not checked (give --host-memory GiB per node)")
     lines.append(MEASURED_ERROR[profile.compute_model()])
-    cached = sum(c.cached for c in ranked)
-    lines.append(f"answered in {elapsed:.0f} s ({cached} of {len(ranked)} traces from the cache)")
+    traced = [c for c in ranked if c.traced is not None]
+    cached = sum(c.cached for c in traced)
+    lines.append(
+        f"answered in {elapsed:.0f} s: {len(traced)} setups traced ({cached} from the cache), "
+        f"{len(ranked) - len(traced)} pruned untraced"
+    )
     for line in lines:
         out.print(Text(line))
 

@@ -1,9 +1,11 @@
 """Traces kept on disk between ``zbench tune`` runs, so a second question about the same model costs no tracing.
 
-A trace is keyed by everything that can change it: the setup (model and its parameter shapes, implementation,
-stage, offload, ranks, precision, micro-batch, accumulation, sequence, checkpointing, options, fake device), the
-torch version, and the content of zbench's and the reference engine's source (an edited engine traces anew; a
-version string would not notice). One JSON file per trace, written whole or not at all.
+A trace is keyed by everything that can change it: the setup (implementation, stage, offload, ranks, precision,
+micro-batch, accumulation, sequence, checkpointing, options, optimizer settings, fake device), the model (a
+transformers architecture's whole config and the transformers version, a builder's module source, a preset's
+configuration), the torch version, and the content of zbench's and the reference engine's Python source and
+shipped architecture configs (an edited engine traces anew; a version string would not notice). One JSON file
+per trace, written whole or not at all.
 
 Where: ``$ZBENCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/zbench``, else ``~/.cache/zbench``; ``traces/`` under it.
 """
@@ -35,11 +37,12 @@ def cache_root() -> Path:
 
 @cache
 def code_digest() -> str:
-    """A digest of every Python source of zbench and of the reference engine (``implementations/``)."""
+    """A digest of every Python source and JSON file (the shipped architecture configs) of zbench and of the
+    reference engine (``implementations/``)."""
     package = Path(zbench.__file__).parent  # zbench/implementations links to the engine's directory: followed
     sources = sorted(
         Path(folder, name) for folder, _, names in os.walk(package, followlinks=True) for name in names
-        if name.endswith(".py")
+        if name.endswith((".py", ".json"))
     )  # fmt: skip
     digest = hashlib.sha256()
     for path in sources:
@@ -48,10 +51,34 @@ def code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+def model_digest(name: str) -> str:
+    """What a model's trace depends on beyond its name: a transformers architecture's whole config and the
+    transformers version that builds it, a builder's module source, a preset's configuration (in the code)."""
+    from zbench.cases import hf_models
+    from zbench.cases.model_names import is_builder_path
+    from zbench.cases.user_import import import_user_module
+    from zbench.depth import split_depth
+    from zbench.presets import preset
+
+    base, _ = split_depth(name)
+    if hf_models.is_hf_model(base):
+        import transformers
+
+        what = json.dumps(hf_models.arch(name).config, sort_keys=True) + transformers.__version__
+    elif is_builder_path(base):
+        module = import_user_module(base.partition(":")[0])
+        what = Path(module.__file__ or "").read_text() if module.__file__ else repr(parameter_shapes(name))
+    else:
+        what = repr(preset(name)) + repr(parameter_shapes(name))
+    return hashlib.sha256(what.encode()).hexdigest()[:16]
+
+
 def trace_key(case: Case) -> str:
+    """Everything a trace depends on; the training settings ``make_case`` fixes are in it too, so a change there
+    cannot serve an old trace."""
     what = {
         "model": case.model,
-        "shapes": hashlib.sha256(repr(parameter_shapes(case.model)).encode()).hexdigest()[:16],
+        "model_digest": model_digest(case.model),
         "implementation": case.implementation,
         "stage": case.stage,
         "offload": case.offload,
@@ -63,6 +90,7 @@ def trace_key(case: Case) -> str:
         "checkpointing": case.activation_checkpointing,
         "options": case.options,
         "device": case.device,
+        "optimizer": [case.optimizer, case.lr, case.weight_decay, case.momentum, case.grad_clip, case.steps],
         "torch": torch.__version__,
         "code": code_digest(),
     }

@@ -88,7 +88,7 @@ def deep_peak(a: dict[str, Any], b: dict[str, Any], blocks: int) -> dict[str, An
     without blocks): the line through the peaks.
     """
     shallow, deep = DEPTHS
-    k = blocks - shallow
+    k = (blocks - shallow) / (deep - shallow)
     candidates = [_line(_moment(a), _moment(b), k)]
     sa, sb = a.get("segments", {}), b.get("segments", {})
     if sa and sb:

@@ -15,11 +15,13 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from zbench.cases.case import Case
 from zbench.cases.formulas import placement_for
+from zbench.errors import OneLineError
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.step import StepEstimate
 from zbench.plan.simulate.sweep import estimate_row
@@ -112,30 +114,44 @@ def prune(candidate: Candidate, limits: Limits, *, by: str = "") -> None:
             return
 
 
-def trace_in_parallel(jobs: list[Case], *, progress: Callable[[str], None]) -> list[TracedRow]:
-    """``trace_plan`` of ``jobs`` in their order, spread over one process per core (a fake trace runs Python on
-    one core; each process holds its own fake process group), each job's progress line prefixed by its worker."""
-    workers = min(len(jobs), os.cpu_count() or 1)
+def trace_in_parallel(
+    jobs: list[Case], *, progress: Callable[[str], None], done: Callable[[Case, TracedRow], None]
+) -> list[TracedRow]:
+    """``trace_plan`` of each of ``jobs``, in their order, spread over one process per usable core (a fake trace
+    runs Python on one core; each process holds its own fake process group). ``done`` hears each trace as it
+    finishes (the cache keeps it), so a worker that dies loses only its own trace: the rest are kept, and the
+    failure is one line."""
+    workers = min(len(jobs), len(os.sched_getaffinity(0)))
     if workers < 2:
-        return trace_plan(jobs, device=jobs[0].device, progress=progress)
+        in_order = trace_plan(jobs, device=jobs[0].device, progress=progress)
+        for job, row in zip(jobs, in_order, strict=True):
+            done(job, row)
+        return in_order
     progress(f"tracing in {workers} processes")
-    chunks = [jobs[w::workers] for w in range(workers)]
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results = list(pool.map(_trace_chunk, chunks, range(workers)))
-    rows: list[TracedRow] = [None] * len(jobs)  # type: ignore[list-item]  # every slot is filled below
-    for w, chunk_rows in enumerate(results):
-        for j, row in enumerate(chunk_rows):
-            rows[w + j * workers] = row
-    return rows
+    rows: dict[int, TracedRow] = {}
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_trace_one, job, i, len(jobs)): i for i, job in enumerate(jobs)}
+            for future in as_completed(futures):
+                i = futures[future]
+                rows[i] = future.result()
+                done(jobs[i], rows[i])
+    except BrokenProcessPool:
+        raise OneLineError(
+            f"a tracing process died ({len(rows)} of {len(jobs)} traces finished and are cached; out of memory? "
+            "run again to trace the rest)"
+        ) from None
+    return [rows[i] for i in range(len(jobs))]
 
 
-def _trace_chunk(jobs: list[Case], worker: int) -> list[TracedRow]:
-    """One worker's share of ``trace_in_parallel``, its progress on stderr."""
+def _trace_one(job: Case, index: int, total: int) -> TracedRow:
+    """One job of ``trace_in_parallel`` in a worker process, its progress on stderr."""
 
     def say(line: str) -> None:
-        print(f"[worker {worker + 1}] {line.strip()}", file=sys.stderr, flush=True)
+        print(f"[{index + 1}/{total}] {line.strip().removeprefix('[1/1] ')}", file=sys.stderr, flush=True)
 
-    return trace_plan(jobs, device=jobs[0].device, progress=say)
+    (row,) = trace_plan([job], device=job.device, progress=say)
+    return row
 
 
 @dataclass
@@ -174,10 +190,13 @@ def trace_all(
     cut = f" (cut to {depths} blocks, extrapolated over blocks)" if any(len(p) == 2 for p in plans.values()) else ""
     progress(f"{len(cases)} setups: {len(jobs)} traces{cut}, {len(found)} from the cache, {len(missing)} to run")
     if missing:
-        for job, row in zip(missing, trace_in_parallel(missing, progress=progress), strict=True):
+
+        def keep(job: Case, row: TracedRow) -> None:
+            found[trace_key(job)] = row
             if cache:
                 cache.put(job, row.trace)
-            found[trace_key(job)] = row
+
+        trace_in_parallel(missing, progress=progress, done=keep)
     traced_now = {trace_key(job) for job in missing}
     out = []
     for c in cases:
@@ -223,7 +242,8 @@ def search(
     Tracing is spent only where it can change the answer. A setup whose model states alone, by the formulas,
     overflow the GPU or a node's host or disk is pruned untraced. The rest are traced a micro-batch at a time,
     smallest first: a setup that does not fit the GPU at one micro-batch will not at a larger one (activations
-    only grow), so its larger micro-batches are pruned untraced, naming the one that did not fit.
+    only grow), so its larger micro-batches are pruned untraced, naming the one that did not fit (compared only
+    between micro-batches that both accumulate gradients, or both do not: ``_siblings``).
     """
     candidates = [Candidate(case) for case in cases]
     for c in candidates:
@@ -262,8 +282,10 @@ def search(
 
 
 def _siblings(case: Case) -> tuple:
-    """What a setup is apart from its micro-batch (and the accumulation that follows from it)."""
-    return (case.implementation, case.stage, case.offload, case.activation_checkpointing)
+    """What a setup is apart from its micro-batch, and whether it accumulates gradients: a setup that accumulates
+    (FSDP keeps whole gradients between micro-steps) may need more than a larger micro-batch that does not, so
+    the two are not compared."""
+    return (case.implementation, case.stage, case.offload, case.activation_checkpointing, case.grad_accum > 1)
 
 
 def _judge(c: Candidate, t: Traced, cluster: Cluster, limits: Limits) -> None:
@@ -315,21 +337,17 @@ def _tokens(c: Candidate) -> int:
 
 def gpus_that_would_fit(c: Candidate, limits: Limits, *, most: int = 65536) -> int | None:
     """The fewest GPUs (the asked count doubled, and doubled again) at which ``c`` would fit GPU and host, by the
-    ZeRO formulas for its model states plus what its trace holds beyond them (activations, gathered parameters,
-    buffers: the same per rank at any count; nothing when it was not traced), or None up to ``most``. An
-    estimate, labelled so where shown."""
-    from zbench.cases.formulas import placement
-    from zbench.cases.model_source import model_info
-
+    ZeRO formulas for its model states (in the layout its implementation declares) plus what its trace holds
+    beyond them (activations, gathered parameters, buffers: the same per rank at any count; nothing when it was
+    not traced), or None up to ``most``. An estimate, labelled so where shown; disk is not checked."""
     case = c.case
-    params = model_info(case.model).parameters
     beyond_states = host_beyond = 0.0  # untraced: the model states alone
     if c.needs is not None and c.traced is not None:
         beyond_states = c.needs.gpu - c.traced.row.located("device")
         host_beyond = c.needs.host_per_node / limits.gpus_per_node - c.traced.row.located("host")
     gpus = case.world_size * 2
     while gpus <= most:
-        place = placement(params=params, world=gpus, stage=case.stage, precision=case.precision, offload=case.offload)
+        place = placement_for(case.model_copy(update={"world_size": gpus}))  # the layout the implementation declares
         device = sum(cat["device"] for cat in place.values()) + beyond_states
         host = (sum(cat["host"] for cat in place.values()) + host_beyond) * limits.gpus_per_node
         if device <= limits.usable_gpu_bytes and (

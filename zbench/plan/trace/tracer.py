@@ -90,7 +90,8 @@ def peak_json(peak: Peak) -> dict[str, Any]:
 
 def mark_blocks(model: torch.nn.Module, live: LiveBytes) -> contextlib.ExitStack:
     """Mark each block's forward (``forward I``) and backward (``backward I``) in ``live``'s segments, and the
-    stretch after the last block's forward (``after blocks``: head, loss, their backward). A block's backward
+    stretch after the last block's forward (``after blocks``: head and loss; their backward is ``mark_phases``'s
+    ``backward start``). A block's backward
     begins when the gradient of its output is computed; a checkpointed block's recomputation, inside backward,
     marks nothing. Registered on the model's own blocks before an implementation wraps them (their hooks still
     fire inside its wrappers); removed when the returned stack closes."""
