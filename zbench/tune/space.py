@@ -8,7 +8,6 @@ by), is kept as a line for the user rather than dropped silently.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from zbench.cases import registry
@@ -97,9 +96,3 @@ def describe(case: Case) -> str:
     ckpt = ", checkpointing" if case.activation_checkpointing else ""
     return f"{case.implementation} (stage {case.stage}){off}, micro-batch {case.micro_batch}{accum}{ckpt}"
 
-
-def all_implementations(given: Iterable[str] | None) -> tuple[str, ...]:
-    """The implementations asked for, or every built-in."""
-    from zbench.implementations import BUILTIN
-
-    return tuple(given or BUILTIN)
