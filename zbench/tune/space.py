@@ -95,4 +95,3 @@ def describe(case: Case) -> str:
     accum = f" x {case.grad_accum}" if case.grad_accum > 1 else ""
     ckpt = ", checkpointing" if case.activation_checkpointing else ""
     return f"{case.implementation} (stage {case.stage}){off}, micro-batch {case.micro_batch}{accum}{ckpt}"
-
