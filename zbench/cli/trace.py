@@ -51,9 +51,7 @@ def plan_trace(req: TraceRequest) -> None:
     """Trace, then print the table (or JSON); with ``simulate``, the step-time sweep."""
     from zbench.plan.trace import plan as trace_mod
 
-    dev = trace_mod.default_device() if req.device == "auto" else req.device
-    if dev == "cuda" and (why := trace_mod.why_not_cuda()):
-        raise UsageError(f"--device cuda: {why}; trace with --device cpu")
+    dev = trace_device(req.device)
     cases = _cases(req, dev)
     cluster = _cluster(req) if req.simulate is not None else None
     rows = trace_mod.trace_plan(cases, device=dev, progress=trace_mod.stderr_progress)
@@ -65,23 +63,45 @@ def plan_trace(req: TraceRequest) -> None:
         _print_trace_table(rows, req, dev, cases[0].seq_len)
 
 
-def _cases(req: TraceRequest, dev: str) -> list[Case]:
-    """One case per implementation x stage x offload mode asked for that can be traced on ``dev``."""
-    from zbench.cases.model_source import model_info
-    from zbench.implementations import BUILTIN
+def trace_device(device: str) -> str:
+    """``--device``: the fake tensors' device (``auto`` resolved), or one line where fake cuda cannot trace here."""
     from zbench.plan.trace import plan as trace_mod
 
-    names = req.implementations or list(BUILTIN)
+    dev = trace_mod.default_device() if device == "auto" else device
+    if dev == "cuda" and (why := trace_mod.why_not_cuda()):
+        raise UsageError(f"--device cuda: {why}; trace with --device cpu")
+    return dev
+
+
+def checked_implementations(given: list[str] | None) -> list[str]:
+    """``--implementation``'s names (default: every built-in), or one line naming the unknown ones."""
+    from zbench.implementations import BUILTIN
+
+    names = list(given or BUILTIN)
     unknown = [n for n in names if n not in BUILTIN]
     if unknown:
         raise UsageError(f"--implementation: unknown {', '.join(unknown)}; built-in: {', '.join(BUILTIN)}")
+    return names
+
+
+def checked_offloads(given: list[str] | None) -> None:
+    """One line for an ``--offload`` mode that does not exist."""
+    bad = [o for o in given or () if o not in OFFLOAD_MODES]
+    if bad:
+        raise UsageError(f"--offload: unknown {', '.join(bad)}; allowed: {', '.join(OFFLOAD_MODES)}")
+
+
+def _cases(req: TraceRequest, dev: str) -> list[Case]:
+    """One case per implementation x stage x offload mode asked for that can be traced on ``dev``."""
+    from zbench.cases.model_source import model_info
+    from zbench.plan.trace import plan as trace_mod
+
+    names = checked_implementations(req.implementations)
     info = model_info(req.model)  # checked by the command
     seq = req.seq_len or info.default_seq_len
     if req.micro_batch < 1 or not 1 <= seq <= info.seq:
         raise UsageError(f"--micro-batch must be >= 1 and --seq-len in 1..{info.seq}")
-    bad = [o for o in req.offloads or () if o not in OFFLOAD_MODES]
-    if bad:
-        raise UsageError(f"--offload: unknown {', '.join(bad)}; allowed: {', '.join(OFFLOAD_MODES)}")
+    checked_offloads(req.offloads)
     skipped = trace_mod.untraceable(names)
     if len(skipped) == len(set(names)):
         raise UsageError(f"--implementation: nothing to trace: {'; '.join(f'{n}: {r}' for n, r in skipped.items())}")

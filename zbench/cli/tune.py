@@ -19,6 +19,7 @@ from rich.text import Text
 
 from zbench.cli.options import DEFAULT_PRECISION, JsonOpt, key_values, stdout
 from zbench.cli.plan import ModelOpt, checked_model_info
+from zbench.cli.trace import checked_implementations, checked_offloads, trace_device
 from zbench.errors import UsageError
 from zbench.plan.memory import DEFAULT_RESERVE
 from zbench.values import OFFLOAD_MODES, Precision
@@ -170,7 +171,6 @@ def _question(
     offload: list[str] | None, checkpointing: str, option: list[str] | None, device: str,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The search the flags ask for, and the cluster profile with the node size they give; one line when bad."""
-    from zbench.plan.trace import plan as trace_mod
     from zbench.tune import space
 
     if model is None:
@@ -187,15 +187,11 @@ def _question(
     seq = info.default_seq_len if seq_len is None else seq_len
     if not 1 <= seq <= info.seq:
         raise UsageError(f"--seq-len must be in 1..{info.seq}")
-    bad = [o for o in offload or () if o not in OFFLOAD_MODES]
-    if bad:
-        raise UsageError(f"--offload: unknown {', '.join(bad)}; allowed: {', '.join(OFFLOAD_MODES)}")
-    dev = trace_mod.default_device() if device == "auto" else device
-    if dev == "cuda" and (why := trace_mod.why_not_cuda()):
-        raise UsageError(f"--device cuda: {why}; trace with --device cpu")
+    checked_offloads(offload)
+    dev = trace_device(device)
     question = space.Question(
         model=model, gpus=gpus, precision=precision, seq_len=seq,
-        implementations=_implementations(implementation), offloads=tuple(offload or OFFLOAD_MODES),
+        implementations=tuple(checked_implementations(implementation)), offloads=tuple(offload or OFFLOAD_MODES),
         micro_batches=tuple(micro_batch or space.DEFAULT_MICRO_BATCHES),
         checkpointing=_checkpointing(checkpointing, has_blocks=info.has_blocks),
         global_batch_tokens=global_batch, device=dev, options=key_values("--option", option or []),
@@ -226,16 +222,6 @@ def _check_numbers(
         raise UsageError("--micro-batch must be >= 1")
     if not 0 <= reserve < 1:
         raise UsageError(f"--reserve: {reserve} is not in [0, 1)")
-
-
-def _implementations(given: list[str] | None) -> tuple[str, ...]:
-    from zbench.implementations import BUILTIN
-
-    names = tuple(given or BUILTIN)
-    unknown = [n for n in names if n not in BUILTIN]
-    if unknown:
-        raise UsageError(f"--implementation: unknown {', '.join(unknown)}; built-in: {', '.join(BUILTIN)}")
-    return names
 
 
 def _checkpointing(choice: str, *, has_blocks: bool) -> tuple[bool, ...]:
