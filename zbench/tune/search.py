@@ -95,10 +95,10 @@ def needs_of(row: TracedRow, gpus_per_node: int) -> Needs:
     )
 
 
-def prune(candidate: Candidate, limits: Limits, *, by: str = "") -> None:
-    """Mark ``candidate`` pruned by the first limit its needs break, with the need, the limit and the overshoot;
-    ``by`` says where the needs come from when not from its own trace."""
-    n = candidate.needs
+def prune(candidate: Candidate, limits: Limits, *, needs: Needs | None = None, by: str = "") -> None:
+    """Mark ``candidate`` pruned by the first limit its needs (``needs``, else its own) break, with the need, the
+    limit and the overshoot; ``by`` says where ``needs`` come from when not from its own trace."""
+    n = needs or candidate.needs
     if n is None:
         return
     checks = [
@@ -217,11 +217,12 @@ FORMULA_SLACK = 0.05
 
 
 def formula_needs(case: Case, gpus_per_node: int) -> Needs:
-    """The ZeRO formulas' model states for ``case``'s layout: a lower bound on what its trace would need."""
+    """The ZeRO formulas' model states for ``case``'s layout less ``FORMULA_SLACK``: a lower bound on what its trace
+    would need."""
     place = placement_for(case)
 
     def at(where: str) -> float:
-        return sum(cat.get(where, 0.0) for cat in place.values())
+        return sum(cat.get(where, 0.0) for cat in place.values()) * (1 - FORMULA_SLACK)
 
     return Needs(gpu=at("device"), host_per_node=at("host") * gpus_per_node, disk_per_node=at("disk") * gpus_per_node)
 
@@ -246,12 +247,9 @@ def search(
     between micro-batches that both accumulate gradients, or both do not: ``_siblings``).
     """
     candidates = [Candidate(case) for case in cases]
+    by = f" at least (model states alone: the ZeRO formulas' less {FORMULA_SLACK:.0%}; not traced)"
     for c in candidates:
-        floor = formula_needs(c.case, limits.gpus_per_node)
-        c.needs = Needs(gpu=floor.gpu * (1 - FORMULA_SLACK), host_per_node=floor.host_per_node * (1 - FORMULA_SLACK),
-                        disk_per_node=floor.disk_per_node * (1 - FORMULA_SLACK))  # fmt: skip
-        prune(c, limits, by=f" at least (model states alone: the ZeRO formulas' less {FORMULA_SLACK:.0%}; not traced)")
-        c.needs = None
+        prune(c, limits, needs=formula_needs(c.case, limits.gpus_per_node), by=by)
     untraced = sum(c.pruned is not None for c in candidates)
     if untraced:
         progress(f"{untraced} of {len(candidates)} setups pruned by the formulas' model states alone, untraced")
