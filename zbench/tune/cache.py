@@ -51,9 +51,12 @@ def code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+@cache
 def model_digest(name: str) -> str:
     """What a model's trace depends on beyond its name: a transformers architecture's whole config and the
-    transformers version that builds it, a builder's module source, a preset's configuration (in the code)."""
+    transformers version that builds it, a builder's module source, a preset's configuration (in the code).
+    Kept per name for the process: ``trace_key`` asks for it several times per setup (each cut, the cache's get and
+    put), and a model's files are read once per process elsewhere too (``hf_models.arch``)."""
     from zbench.cases import hf_models
     from zbench.cases.model_names import is_builder_path
     from zbench.cases.user_import import import_user_module
