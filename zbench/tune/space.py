@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from zbench.cases import registry
 from zbench.cases.case import Case
-from zbench.plan.trace.plan import combinations, make_case, untraceable
+from zbench.plan.trace.plan import case_name, combinations, make_case, untraceable
 
 #: Micro-batches tried when none is given: sequences per rank per forward.
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
@@ -91,7 +91,6 @@ def _runs_precision(name: str, precision: str, left_out: list[str]) -> bool:
 
 def describe(case: Case) -> str:
     """One setup in a few words: ``zero3 (stage 3) + offload optimizer, micro-batch 4 x 2, checkpointing``."""
-    off = "" if case.offload == "none" else f" + offload {case.offload}"
     accum = f" x {case.grad_accum}" if case.grad_accum > 1 else ""
     ckpt = ", checkpointing" if case.activation_checkpointing else ""
-    return f"{case.implementation} (stage {case.stage}){off}, micro-batch {case.micro_batch}{accum}{ckpt}"
+    return f"{case_name(case)}, micro-batch {case.micro_batch}{accum}{ckpt}"

@@ -71,6 +71,12 @@ def explain(implementation: str, traced: dict[str, dict[str, int]], formula: dic
     return lines
 
 
+def case_name(case: Case) -> str:
+    """An implementation at its stage and offload mode: ``zero3 (stage 3) + offload optimizer``."""
+    off = "" if case.offload == "none" else f" + offload {case.offload}"
+    return f"{case.implementation} (stage {case.stage}){off}"
+
+
 @dataclass
 class TracedRow:
     case: Case
@@ -79,8 +85,7 @@ class TracedRow:
 
     @property
     def name(self) -> str:
-        off = "" if self.case.offload == "none" else f" + offload {self.case.offload}"
-        return f"{self.case.implementation} (stage {self.case.stage}){off}"
+        return case_name(self.case)
 
     def located(self, where: str, source: str = "traced") -> float:
         data: dict[str, dict[str, Any]] = self.trace.state_bytes if source == "traced" else self.formula
