@@ -71,6 +71,11 @@ def _combine(terms: list[tuple[float, Any]]) -> Any:
     return round(value) if all(isinstance(x, int) for _, x in numbers) else value
 
 
+def steps_beyond(blocks: int) -> float:
+    """How many steps of ``deeper cut - shallower cut`` a ``blocks``-deep model lies beyond the shallower cut."""
+    return (blocks - DEPTHS[0]) / (DEPTHS[1] - DEPTHS[0])
+
+
 def _line(a: Any, b: Any, k: float) -> Any:
     """``a + k (b - a)``: ``k`` steps of the difference between two cuts beyond the first."""
     return _combine([(1 - k, a), (k, b)])
@@ -88,7 +93,7 @@ def deep_peak(a: dict[str, Any], b: dict[str, Any], blocks: int) -> dict[str, An
     without blocks): the line through the peaks.
     """
     shallow, deep = DEPTHS
-    k = (blocks - shallow) / (deep - shallow)
+    k = steps_beyond(blocks)
     candidates = [_line(_moment(a), _moment(b), k)]
     sa, sb = a.get("segments", {}), b.get("segments", {})
     if sa and sb:
@@ -131,8 +136,7 @@ class Extrapolated:
 
     @property
     def k(self) -> float:
-        """How many steps of ``deeper - shallow`` the full depth lies beyond the shallow cut."""
-        return (self.blocks - DEPTHS[0]) / (DEPTHS[1] - DEPTHS[0])
+        return steps_beyond(self.blocks)
 
     @property
     def error(self) -> str | None:
