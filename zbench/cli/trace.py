@@ -177,7 +177,7 @@ def _print_trace_table(rows: list[TracedRow], req: TraceRequest, dev: str, seq: 
             table.add_row(r.name, "cannot trace", "", "", "", "", "", r.trace.error[:60], "", "", "-")
             notes.append(f"{r.name}: {r.trace.error}")
             continue
-        table.add_row(*_trace_cells(r, req, dev))
+        table.add_row(*_trace_cells(r, req))
         notes += [f"{r.name}: {line}" for line in r.differences]
     stdout().print(table)
     err = stderr()
@@ -193,12 +193,12 @@ def _print_trace_table(rows: list[TracedRow], req: TraceRequest, dev: str, seq: 
         err.print(Text(line))
 
 
-def _trace_cells(r: TracedRow, req: TraceRequest, dev: str) -> list[str]:
+def _trace_cells(r: TracedRow, req: TraceRequest) -> list[str]:
     from zbench.plan.trace.live import HELD
     from zbench.results.formatting import fmt_bytes
 
     roles = dict(r.trace.peak.get("device", {}).get("roles", {}))
-    host_held = int(r.located("host")) if dev == "cpu" else 0  # the stand-in's host state, in the live peak
+    host_held = int(r.host_held_in_peak())
     if host_held and HELD in roles:
         roles[HELD] = max(0, roles[HELD] - host_held)
     top = max(roles, key=lambda role: roles[role]) if roles else "-"

@@ -86,12 +86,12 @@ class Candidate:
 
 
 def needs_of(row: TracedRow, gpus_per_node: int) -> Needs:
-    """A traced setup's needs. On the CPU stand-in (fake CPU tensors) the host-held state shares the traced
-    device's peak, and is taken off it, as ``zbench plan --trace`` does."""
-    host = row.located("host")
-    device_peak = row.peak("device") - (host if row.case.device == "cpu" else 0.0)
+    """A traced setup's needs: its device peak less the host-held state the CPU stand-in counts in it, as
+    ``zbench plan --trace`` shows it (``TracedRow.host_held_in_peak``)."""
     return Needs(
-        gpu=max(device_peak, 0.0), host_per_node=host * gpus_per_node, disk_per_node=row.located("disk") * gpus_per_node
+        gpu=max(row.peak("device") - row.host_held_in_peak(), 0.0),
+        host_per_node=row.located("host") * gpus_per_node,
+        disk_per_node=row.located("disk") * gpus_per_node,
     )
 
 
