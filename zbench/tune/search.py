@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from zbench.cases.case import Case
 from zbench.cases.formulas import placement_for
 from zbench.errors import OneLineError
+from zbench.plan.memory import usable_bytes
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.step import StepEstimate
 from zbench.plan.simulate.sweep import estimate_row
@@ -46,7 +47,7 @@ class Limits:
 
     @property
     def usable_gpu_bytes(self) -> float:
-        return self.gpu_bytes * (1 - self.reserve)
+        return usable_bytes(self.gpu_bytes, self.reserve)
 
 
 @dataclass(frozen=True)
@@ -222,9 +223,14 @@ def formula_needs(case: Case, gpus_per_node: int) -> Needs:
     place = placement_for(case)
 
     def at(where: str) -> float:
-        return sum(cat.get(where, 0.0) for cat in place.values()) * (1 - FORMULA_SLACK)
+        return _placed(place, where) * (1 - FORMULA_SLACK)
 
     return Needs(gpu=at("device"), host_per_node=at("host") * gpus_per_node, disk_per_node=at("disk") * gpus_per_node)
+
+
+def _placed(place: dict[str, dict[str, float]], where: str) -> float:
+    """A placement's bytes in one location, over every category."""
+    return sum(cat.get(where, 0.0) for cat in place.values())
 
 
 def search(
@@ -346,8 +352,8 @@ def gpus_that_would_fit(c: Candidate, limits: Limits, *, most: int = 65536) -> i
     gpus = case.world_size * 2
     while gpus <= most:
         place = placement_for(case.model_copy(update={"world_size": gpus}))  # the layout the implementation declares
-        device = sum(cat["device"] for cat in place.values()) + beyond_states
-        host = (sum(cat["host"] for cat in place.values()) + host_beyond) * limits.gpus_per_node
+        device = _placed(place, "device") + beyond_states
+        host = (_placed(place, "host") + host_beyond) * limits.gpus_per_node
         if device <= limits.usable_gpu_bytes and (
             limits.host_bytes_per_node is None or host <= limits.host_bytes_per_node
         ):
