@@ -122,6 +122,37 @@ def test_noise_twin_splits_the_batch_another_way_or_is_left_out():
     assert not [c for c in expand(config(world_sizes=[2], noise_twin=False)) if c.noise_twin]
 
 
+def test_entries_with_their_own_axes_are_setups_each_with_a_ddp_reference_trained_the_same_way():
+    """A suite of chosen setups (``tune --emit-suite``): each entry runs at its own offload, micro-batch,
+    accumulation and checkpointing; DDP at every one of those shapes and no other; ids name the batch."""
+    cases = expand(
+        config(
+            world_sizes=[2],
+            implementations=[
+                {"name": "zero2", "offload": "optimizer", "micro_batch": 2, "grad_accum": 2},
+                {"name": "fsdp", "micro_batch": 8, "activation_checkpointing": True},
+                "torch_zero",
+            ],
+        )
+    )
+    by_impl = {}
+    for c in cases:
+        by_impl.setdefault(c.implementation + ("-twin" if c.noise_twin else ""), []).append(
+            (c.offload, c.micro_batch, c.grad_accum, c.activation_checkpointing)
+        )
+    assert by_impl["zero2"] == [("optimizer", 2, 2, False)]
+    assert by_impl["fsdp"] == [("none", 8, 1, True)]
+    assert by_impl["torch_zero"] == [("none", 4, 1, False)]  # the suite's own
+    assert sorted(by_impl["ddp"]) == sorted(by_impl["ddp-twin"]) == sorted(
+        [("none", 2, 2, False), ("none", 8, 1, True), ("none", 4, 1, False)]
+    )
+    references = {c.reference_key for c in cases if c.implementation == "ddp"}
+    assert all(c.reference_key in references for c in cases)
+    assert len({c.case_id for c in cases}) == len(cases)
+    assert "tiny-zero2-s2-w2-fp32-optimizer-mb2x2" in {c.case_id for c in cases}
+    assert "mb" not in expand(config(world_sizes=[2]))[0].case_id  # a cross product's ids are as they were
+
+
 def test_unsupported_combinations_are_skipped_not_errors():
     cases = expand(config(offload=["none", "optimizer"]))
     skipped = [c for c in cases if c.skip_reason]

@@ -51,6 +51,10 @@ class Case(BaseModel):
     """Implementation-specific knobs from the suite (bucket sizes, prefetch, ...)."""
     activation_checkpointing: bool = False
     """Every block's activations recomputed in backward (``zbench.cases.models.checkpoint_blocks``)."""
+    batch_in_id: bool = False
+    """The case id names the micro-batch and accumulation: set when the suite runs more than one of them (entries
+    with their own, ``suite.config.ImplementationEntry``), so that ids stay unique and a cross product's stay as
+    they always were."""
     nvme_dir: str | None = None
     """The suite's NVMe directory (each case swaps into its own sub-directory of it, see ``zbench.suite.nvme``)."""
     target_loss: float | None = None
@@ -99,6 +103,8 @@ class Case(BaseModel):
         ]
         if self.options:
             parts.append(hashlib.sha1(repr(tuple(sorted(self.options.items()))).encode()).hexdigest()[:6])
+        if self.batch_in_id:
+            parts.append(f"mb{self.micro_batch}" + (f"x{self.grad_accum}" if self.grad_accum > 1 else ""))
         if self.activation_checkpointing:
             parts.append("ckpt")
         if self.noise_twin:

@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -94,12 +94,29 @@ class ProfileConfig(_Frozen):
 
 
 class ImplementationEntry(_Frozen):
-    """An implementation with settings: ``{name: zero3, options: {prefetch: 2}}``."""
+    """An implementation with settings: ``{name: zero3, options: {prefetch: 2}}``.
+
+    An entry may also set its own offload modes, micro-batch, accumulation and checkpointing, in place of the
+    suite's: a suite of chosen setups (what ``zbench tune --emit-suite`` writes) is a list of entries, each one
+    setup, rather than a cross product. The DDP reference then runs at every micro-batch, accumulation and
+    checkpointing an entry asks for, since each case is compared with a DDP case trained the same way.
+    """
 
     name: str
     stages: Annotated[list[Annotated[int, Field(ge=1, le=3)]], BeforeValidator(_as_list)] | None = None
     """For implementations that support several stages: which to run (default: all it supports)."""
     options: dict[str, Any] = Field(default_factory=dict)
+    offload: Annotated[list[Offload], BeforeValidator(_as_list)] | None = None
+    micro_batch: int | None = Field(None, ge=1)
+    grad_accum: int | None = Field(None, ge=1)
+    activation_checkpointing: Annotated[list[bool], BeforeValidator(_as_list)] | None = None
+
+    #: The entry keys that override one of the suite's axes.
+    AXES: ClassVar[tuple[str, ...]] = ("offload", "micro_batch", "grad_accum", "activation_checkpointing")
+
+    def axes_set(self) -> list[str]:
+        """The suite axes this entry sets for itself."""
+        return [k for k in self.AXES if getattr(self, k) is not None]
 
 
 class DeepSpeedSource(_Frozen):
@@ -131,8 +148,9 @@ def _with_deepspeed_config(data: dict[str, Any], base: Path, source: str) -> dic
         raise UsageError(f"{source}: deepspeed_config: {exc}") from None
     both = [k for k in DEEPSPEED_SETS if k in data and k in mapped.suite]
     entries = data.get("implementations")
-    if isinstance(entries, list) and any(isinstance(e, dict) and "stages" in e for e in entries):
-        both.append("stages (of an implementation entry)")
+    for key in ("stages", *ImplementationEntry.AXES):
+        if isinstance(entries, list) and any(isinstance(e, dict) and key in e for e in entries):
+            both.append(f"{key} (of an implementation entry)")
     if both:
         raise UsageError(f"{source}: {', '.join(both)} set by both the suite and {named}; keep one")
     out = {k: v for k, v in data.items() if k != "deepspeed_config"}

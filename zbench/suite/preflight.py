@@ -117,7 +117,7 @@ def check_models(config: SuiteConfig, source: str) -> None:
             raise UsageError(f"{source}: models: {exc}") from None
         if config.seq_len is not None and config.seq_len > info.seq:
             raise UsageError(f"{source}: seq_len {config.seq_len} exceeds model {model!r}'s max_seq_len {info.seq}")
-        if True in config.activation_checkpointing and info.gpt is None and not info.has_blocks:
+        if any(s.checkpointing for s in reference_shapes(config)) and info.gpt is None and not info.has_blocks:
             raise UsageError(
                 f"{source}: activation_checkpointing: model {model!r} has no .blocks to checkpoint "
                 "(docs/methods.md#models-users-bring)"
@@ -152,20 +152,51 @@ def deepspeed_settings(
     return options, offload, sorted(not_applied)
 
 
+@dataclass(frozen=True)
+class Shape:
+    """How a case trains its batch: what a case and its DDP reference must share besides model, ranks and
+    precision."""
+
+    micro_batch: int
+    grad_accum: int
+    checkpointing: bool
+
+
+def shapes_of(config: SuiteConfig, entry: ImplementationEntry) -> list[Shape]:
+    """The micro-batch x accumulation x checkpointing an entry runs at: its own where it sets them, else the
+    suite's."""
+    micro_batch = entry.micro_batch or config.micro_batch
+    grad_accum = entry.grad_accum or config.grad_accum
+    checkpointing = entry.activation_checkpointing or config.activation_checkpointing
+    return [Shape(micro_batch, grad_accum, c) for c in checkpointing]
+
+
+def reference_shapes(config: SuiteConfig) -> list[Shape]:
+    """Every shape some entry the suite lists runs at, in the suite's order: the DDP reference runs at each."""
+    return list(dict.fromkeys(s for e in config.implementations for s in shapes_of(config, e)))
+
+
 def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str, Implementation]) -> list[Case]:
     """The cartesian product of the suite's axes as cases, DDP first in each group, unsupported ones skipped; fp32
-    before the other precisions, whose cases' fp32 probes are judged against its references (``with_probes``)."""
+    before the other precisions, whose cases' fp32 probes are judged against its references (``with_probes``).
+
+    An entry that sets its own offload, micro-batch, accumulation or checkpointing (``ImplementationEntry``) runs
+    at those instead of the suite's, and DDP at every shape some entry runs at."""
     cases = []
-    for model, world, precision, checkpointing, entry in itertools.product(
+    every_shape = reference_shapes(config)
+    batch_in_id = len({(s.micro_batch, s.grad_accum) for s in every_shape}) > 1
+    for model, world, precision, shape, entry in itertools.product(
         config.models,
         config.world_sizes,
         sorted(config.precisions, key=lambda p: p != "fp32"),
-        config.activation_checkpointing,
+        every_shape,
         entries_with_reference(config),
     ):
+        if entry.name != REFERENCE and shape not in shapes_of(config, entry):
+            continue
         caps = implementations[entry.name].capabilities
         stages = entry.stages or sorted(caps.stages)
-        offloads = config.offload if entry.name != REFERENCE else ["none"]
+        offloads = (entry.offload or config.offload) if entry.name != REFERENCE else ["none"]
         from_deepspeed = config.deepspeed_config is not None and entry.name != REFERENCE
         if from_deepspeed:
             stages = [config.deepspeed_config.stage]  # type: ignore[union-attr]  # (checked just above)
@@ -185,8 +216,8 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
                 device=device,
                 steps=config.steps,
                 warmup_steps=config.warmup_steps,
-                micro_batch=config.micro_batch,
-                grad_accum=config.grad_accum,
+                micro_batch=shape.micro_batch,
+                grad_accum=shape.grad_accum,
                 seq_len=config.seq_len or model_info(model).default_seq_len,
                 seed=config.seed,
                 timeout_s=config.timeout_s,
@@ -204,7 +235,8 @@ def expand(config: SuiteConfig, *, device: DeviceKind, implementations: dict[str
                 paired_rounds=config.paired_rounds,
                 paired_seconds=config.paired_seconds,
                 profile_steps=config.profile.steps if config.profile else [],
-                activation_checkpointing=checkpointing,
+                activation_checkpointing=shape.checkpointing,
+                batch_in_id=batch_in_id,
                 capabilities=caps,
             )
             reason = offload_supported(stage, offload) or caps.why_unsupported(
