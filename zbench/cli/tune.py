@@ -10,6 +10,7 @@ document with ``--json``).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Annotated, Any, Literal
 
@@ -17,7 +18,9 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from zbench.cli.options import DEFAULT_PRECISION, JsonOpt, key_values, stdout
+from pathlib import Path
+
+from zbench.cli.options import DEFAULT_PRECISION, JsonOpt, ReportOpt, ResultsOpt, key_values, results_dir, stdout
 from zbench.cli.plan import ModelOpt, checked_model_info
 from zbench.cli.trace import checked_implementations, checked_offloads, trace_device
 from zbench.errors import UsageError
@@ -98,6 +101,38 @@ WholeOpt = Annotated[
         "and minutes per setup at 70B.",
     ),
 ]
+EmitSuiteOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--emit-suite",
+        metavar="FILE",
+        help="Write the top K setups as a suite `zbench run` takes (one implementation entry per setup, each "
+        "checked against a DDP case trained the same way), with the predictions in its header.",
+    ),
+]
+EmitDeepSpeedOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--emit-deepspeed",
+        metavar="FILE",
+        help="Write DeepSpeed's best setup (estimated: see the ranking) as a DeepSpeed JSON config, for a suite's "
+        "`deepspeed_config:` or your own training script.",
+    ),
+]
+VerifyOpt = Annotated[
+    int,
+    typer.Option(
+        "--verify",
+        metavar="N",
+        help="Run the top N setups for real on this machine (the profile must be one `zbench calibrate` wrote "
+        "here): short runs checked against DDP, stored and reported as a run, with predicted against measured "
+        "order and memory.",
+    ),
+]
+VerifyStepsOpt = Annotated[int, typer.Option(help="Steps each verified setup trains (the first 3 are warm-up).")]
+PairedRoundsOpt = Annotated[
+    int, typer.Option(help="Rounds of one step of each verified setup and one of DDP, alternating (the paired ratio).")
+]
 TuneDeviceOpt = Annotated[
     Literal["auto", "cpu", "cuda"],
     typer.Option(help="The fake tensors' device (as `zbench plan --device`): auto is cuda where a GPU is visible."),
@@ -125,6 +160,13 @@ def tune(
     fresh: FreshOpt = False,
     whole: WholeOpt = False,
     device: TuneDeviceOpt = "auto",
+    emit_suite: EmitSuiteOpt = None,
+    emit_deepspeed: EmitDeepSpeedOpt = None,
+    verify: VerifyOpt = 0,
+    verify_steps: VerifyStepsOpt = 12,
+    paired_rounds: PairedRoundsOpt = 10,
+    results: ResultsOpt = None,
+    report: ReportOpt = Path("reports"),
     as_json: JsonOpt = False,
 ) -> None:
     """The setup to run for a model on a cluster: every implementation, stage, offload mode, micro-batch and
@@ -138,6 +180,8 @@ def tune(
 
     started = time.perf_counter()
     _check_numbers(gpus, nodes, gpu_memory, host_memory, disk, global_batch, micro_batch, top, reserve)
+    if verify < 0 or verify_steps < 2 or paired_rounds < 0:
+        raise UsageError("--verify and --paired-rounds must be >= 0, --verify-steps >= 2")
     question, profile = _question(
         model, cluster, gpus=gpus, nodes=nodes, global_batch=global_batch, micro_batch=micro_batch, seq_len=seq_len,
         precision=precision, implementation=implementation, offload=offload, checkpointing=checkpointing,
@@ -159,10 +203,22 @@ def tune(
     survivors = [c for c in ranked if c.pruned is None]
     if not survivors:
         raise UsageError(_nothing_fits(ranked, limits))
-    if as_json:
-        print(json.dumps(_document(question, profile, limits, ranked, found.left_out, elapsed), indent=1))
+    if verify:
+        from zbench.tune.verify import check_this_machine
+
+        check_this_machine(profile)
+    document = _document(question, profile, limits, ranked, found.left_out, elapsed)
+    if emit_suite is not None:
+        _emit_suite(emit_suite, question, profile, survivors[:top])
+    if emit_deepspeed is not None:
+        _emit_deepspeed(emit_deepspeed, ranked)
+    if as_json and not verify:
+        print(json.dumps(document, indent=1))
         return
-    _print_answer(question, profile, limits, ranked, found.left_out, top, elapsed)
+    if not as_json:
+        _print_answer(question, profile, limits, ranked, found.left_out, top, elapsed)
+    if verify:
+        _verify(question, survivors[:verify], profile, document, verify_steps, paired_rounds, results, report, as_json)
 
 
 def _question(
@@ -341,3 +397,85 @@ def _document(q: Any, profile: Any, limits: Any, ranked: list, left_out: list[st
         "left_out": left_out,
         "seconds": round(elapsed, 1),
     }
+
+
+def _emit_suite(path: Path, q: Any, profile: Any, chosen: list) -> None:
+    """The chosen setups as a suite file, each one's predicted rank and figures in the header."""
+    from zbench.plan.simulate.sweep import MEASURED_ERROR
+    from zbench.tune import emit
+
+    header = [
+        f"Written by `zbench tune` {time.strftime('%Y-%m-%d')}: the top {len(chosen)} setups for {q.model} on "
+        f"{q.gpus} x {profile.gpu} ({profile.name}), best first,",
+        "predicted by the step-time simulator; " + MEASURED_ERROR[profile.compute_model()],
+        "",
+    ]
+    for i, c in enumerate(chosen, 1):
+        header.append(f"{i}. {c.name}: {c.estimate.tokens_per_s_per_gpu:,.0f} tokens/s per GPU predicted, GPU peak "
+                      f"{_gib(c.needs.gpu)} traced")  # fmt: skip
+    device = "cpu" if profile.on_cpu() else "cuda"
+    text = emit.suite_text(emit.suite_document(q, [c.case for c in chosen], device=device), header)
+    emit.write(path, text)
+    print(f"suite of {len(chosen)} setups written to {path}", file=sys.stderr)
+
+
+def _emit_deepspeed(path: Path, ranked: list) -> None:
+    from zbench.suite.preflight import DEEPSPEED
+    from zbench.tune import emit
+
+    best = next((c for c in ranked if c.pruned is None and c.case.implementation == DEEPSPEED), None)
+    if best is None:
+        raise UsageError("--emit-deepspeed: no DeepSpeed setup fits (or -i left DeepSpeed out of the search)")
+    emit.write(path, emit.deepspeed_text(best.case))
+    print(f"DeepSpeed config of {best.name} written to {path}", file=sys.stderr)
+
+
+def _verify(
+    q: Any, chosen: list, profile: Any, document: dict[str, Any], steps: int, paired_rounds: int,
+    results: Path | None, report: Path, as_json: bool,
+) -> None:  # fmt: skip
+    """Run the chosen setups, show predicted against measured, write the report; exit 1 on a failed setup."""
+    from zbench.report import render
+    from zbench.tune.verify import verify
+
+    root = results_dir(None, results)
+    print(f"verifying the top {len(chosen)} setups: {steps} steps each, checked against DDP", file=sys.stderr)
+    checked, result = verify(
+        q, chosen, profile, results_root=root, steps=steps, paired_rounds=paired_rounds, search_document=document
+    )
+    page = render(result.run, report, results_root=root)
+    if as_json:
+        print(json.dumps({**document, "verification": checked.to_json()}, indent=1))
+    else:
+        _print_verification(checked)
+    print(f"results: {result.run.path}\nreport:  {page}", file=sys.stderr)
+    if result.failed or any(r.tune_error for r in checked.rows):
+        raise typer.Exit(1)
+
+
+def _print_verification(v: Any) -> None:
+    from zbench.results.formatting import fmt_ratio
+
+    table = Table(title=f"predicted against measured (run {v.run_id})")
+    for col in ("predicted #", "setup", "predicted tokens/s per GPU", "measured", "measured #", "GPU peak traced",
+                "measured peak", "ratio to DDP", "status", "equivalent"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("setup", "status") else "right")
+    ran = sorted((r for r in v.rows if r.measured_tokens_per_s_per_gpu), key=lambda r: -r.measured_tokens_per_s_per_gpu)
+    measured_rank = {r.rank: i for i, r in enumerate(ran, 1)}
+    for r in v.rows:
+        status = r.status + (f": TUNE ERROR, {r.tune_error}" if r.tune_error else "")
+        table.add_row(
+            str(r.rank), r.name, f"{r.predicted_tokens_per_s_per_gpu:,.0f}",
+            f"{r.measured_tokens_per_s_per_gpu:,.0f}" if r.measured_tokens_per_s_per_gpu else "-",
+            str(measured_rank.get(r.rank, "-")), _gib(r.predicted_gpu_bytes),
+            _gib(r.measured_peak_bytes) + (f" ({r.memory_kind})" if r.memory_kind else "")
+            if r.measured_peak_bytes else "-",
+            fmt_ratio(r.ratio_to_ddp), status, {True: "yes", False: "NO", None: "-"}[r.equivalent],
+        )  # fmt: skip
+    out = stdout()
+    out.print(table)
+    tau = "-" if v.kendall_tau is None else f"{v.kendall_tau:.2f}"
+    best = "-" if v.measured_best_rank is None else f"predicted #{v.measured_best_rank}"
+    out.print(Text(f"Kendall tau, predicted against measured order: {tau}; the measured best was {best}"))
+    for note in v.notes:
+        out.print(Text(note))

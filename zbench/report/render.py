@@ -24,6 +24,7 @@ from zbench.report import charts
 from zbench.report.baseline import MEMORY_METRICS, TIME_METRICS, baseline_for
 from zbench.report.history import case_history, runs_like
 from zbench.report.matrix import build as build_matrix
+from zbench.report.tune_page import TUNE_PAGE, load_tune
 from zbench.results.formatting import fmt_bytes, fmt_money, fmt_ratio, fmt_seconds, status_text, verdict_text
 from zbench.results.record import CaseRecord
 from zbench.results.run_info import RunInfo
@@ -165,8 +166,12 @@ def _render(run: RunDir, report_dir: Path, results_root: Path | None, price_per_
         history_runs=len(runs),
         regressions=[(case_id, p) for case_id, points in series.items() for p in points if p.regressed],
         simulation=load_simulation(run),
+        tune_page=TUNE_PAGE if (tune := load_tune(run)) else None,
     )
     _write_case_pages(run, info, records, references, report_dir, common)
+    if tune is not None:
+        tune_html = _ENV.get_template("tune.html.j2").render(**common, root="", tune=tune, charts=[])
+        atomic_write_bytes(report_dir / TUNE_PAGE, tune_html.encode())
     out = report_dir / "index.html"
     atomic_write_bytes(out, page.encode())
     return out

@@ -71,6 +71,12 @@ class Cluster(BaseModel):
             return "calibrated"
         return "datasheet" if self.operators is not None else "efficiency"
 
+    def on_cpu(self) -> bool:
+        """Whether the profile's "GPUs" are CPU cores (a calibration of a CPU, or a CPU profile like cpu-2core)."""
+        if self.calibration is not None:
+            return self.calibration.device == "cpu"
+        return self.gpu.lower().startswith("cpu")
+
     def operator_rates(self) -> Calibration | DatasheetRates | None:
         """What each traced operator is charged from, as ``compute_model`` says; None for ``efficiency``."""
         model = self.compute_model()

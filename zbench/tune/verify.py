@@ -1,0 +1,198 @@
+"""``zbench tune --verify N``: the top N setups run for real on this machine, the prediction held against them.
+
+The chosen setups become a suite (``zbench.tune.emit``) that ``zbench run``'s own runner trains: short runs, each
+checked against a DDP case trained the same way, paired rounds of it and DDP for the step-time ratio, results and
+report written as for any suite. Then the predicted order is compared with the measured one (Kendall's tau over
+tokens/s per GPU, and whether the measured best is among the predicted top two), and each setup's predicted GPU
+peak with the one measured. A setup predicted to fit that runs out of memory is a tune error, stated as such.
+
+Verifying a prediction only means something on the machine the prediction was made for: the profile must be
+one ``zbench calibrate`` wrote on this host, for this device.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scipy.stats import kendalltau
+
+from zbench.atomic import atomic_write_json
+from zbench.report.tune_page import TUNE_FILE
+from zbench.cases.case import Case
+from zbench.errors import UsageError
+from zbench.plan.simulate.cluster import Cluster
+from zbench.results.record import CaseRecord
+from zbench.run.console import Progress
+from zbench.run.runner import RunResult, run_suite
+from zbench.suite import config as suite_config
+from zbench.suite import preflight
+from zbench.tune import emit
+from zbench.tune.search import Candidate
+from zbench.tune.space import Question
+
+def this_device() -> str:
+    """What ``zbench calibrate`` records as the device here: the first GPU's name, or ``cpu``."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def check_this_machine(profile: Cluster) -> None:
+    """One line, unless ``profile`` is a calibration of this host and its device."""
+    cal = profile.calibration
+    if cal is None:
+        raise UsageError(
+            f"--verify: the profile {profile.name!r} was not measured here; verify against a profile `zbench "
+            "calibrate` wrote on this machine (--cluster that file)"
+        )
+    here, device = platform.node(), this_device()
+    if cal.host != here or cal.device != device:
+        raise UsageError(
+            f"--verify: the profile {profile.name!r} was calibrated on {cal.host} ({cal.device}), not on this "
+            f"machine, {here} ({device})"
+        )
+
+
+@dataclass
+class Verified:
+    """One chosen setup: its predicted rank and figures, and what its run measured."""
+
+    rank: int
+    name: str
+    case_id: str
+    predicted_tokens_per_s_per_gpu: float
+    predicted_gpu_bytes: float
+    status: str = "not run"
+    measured_tokens_per_s_per_gpu: float | None = None
+    measured_peak_bytes: int | None = None
+    memory_kind: str | None = None
+    ratio_to_ddp: float | None = None
+    equivalent: bool | None = None
+    error: str | None = None
+    tune_error: str | None = None
+    """Set when the prediction was wrong in a way that matters: predicted to fit, and ran out of memory."""
+
+
+@dataclass
+class Verification:
+    """The chosen setups' run and how the prediction held."""
+
+    run_id: str
+    run_path: str
+    rows: list[Verified]
+    kendall_tau: float | None
+    measured_best_rank: int | None
+    """The predicted rank of the setup that measured fastest."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best_in_top_two(self) -> bool | None:
+        return None if self.measured_best_rank is None else self.measured_best_rank <= 2
+
+    def to_json(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {**asdict(self), "best_in_top_two": self.best_in_top_two}
+
+
+def verify(
+    q: Question,
+    chosen: list[Candidate],
+    profile: Cluster,
+    *,
+    results_root: Path,
+    steps: int,
+    paired_rounds: int,
+    search_document: dict[str, Any],
+) -> tuple[Verification, RunResult]:
+    """Train ``chosen`` (ranked, best first) as a suite, store it as any run, and compare with the prediction;
+    ``search_document`` (what tune searched, pruned and predicted) is kept beside the run for its report page."""
+    device = "cuda" if this_device() != "cpu" else "cpu"
+    document = emit.suite_document(
+        q, [c.case for c in chosen], device=device, steps=steps, warmup_steps=min(3, steps - 1),
+        paired_rounds=paired_rounds,
+    )  # fmt: skip
+    suite_file = suite_config.from_flags(suite_config.from_dict(document, source="the verification suite"))
+    suite = preflight.prepare(suite_file)
+    result = run_suite(suite, results_root=results_root, resume=None, progress=Progress())
+    verification = compare(chosen, result)
+    atomic_write_json(
+        Path(result.run.path) / TUNE_FILE,
+        {"search": search_document, "suite": document, "verification": verification.to_json()},
+    )
+    return verification, result
+
+
+def _same_setup(case: Case, c: Candidate) -> bool:
+    want = c.case
+    return (
+        not case.noise_twin
+        and case.implementation == want.implementation
+        and case.stage == want.stage
+        and case.offload == want.offload
+        and case.micro_batch == want.micro_batch
+        and case.grad_accum == want.grad_accum
+        and case.activation_checkpointing == want.activation_checkpointing
+    )
+
+
+def compare(chosen: list[Candidate], result: RunResult) -> Verification:
+    """Each chosen setup's record read against its prediction; the orders compared over the setups that ran."""
+    rows = []
+    for rank, c in enumerate(chosen, 1):
+        record = next((r for r in result.records if _same_setup(r.config, c)), None)
+        assert c.estimate is not None and c.needs is not None  # chosen setups are ranked survivors
+        row = Verified(
+            rank=rank, name=c.name, case_id=record.case_id if record else "-",
+            predicted_tokens_per_s_per_gpu=c.estimate.tokens_per_s_per_gpu, predicted_gpu_bytes=c.needs.gpu,
+        )  # fmt: skip
+        if record is not None:
+            _measured(row, record, result.records)
+        rows.append(row)
+    ran = [r for r in rows if r.measured_tokens_per_s_per_gpu is not None]
+    tau = None
+    notes = []
+    if len(ran) >= 2:
+        tau = float(
+            kendalltau(
+                [r.predicted_tokens_per_s_per_gpu for r in ran], [r.measured_tokens_per_s_per_gpu for r in ran]
+            ).statistic
+        )
+    if len(ran) < len(rows):
+        notes.append(f"{len(rows) - len(ran)} of {len(rows)} setups have no measured step time; the orders compare "
+                     "the rest")  # fmt: skip
+    best = max(ran, key=lambda r: r.measured_tokens_per_s_per_gpu or 0.0, default=None)
+    return Verification(
+        run_id=result.run.run_id, run_path=str(result.run.path), rows=rows, kendall_tau=tau,
+        measured_best_rank=best.rank if best else None, notes=notes,
+    )  # fmt: skip
+
+
+def measured_rate(record: CaseRecord, records: list[CaseRecord]) -> float | None:
+    """Tokens/s per GPU a setup's run measured: its DDP reference's rate over the paired step-time ratio when it
+    has one (the ratio of steps run alternately, which cancels the machine's drift between cases), else its own
+    median step's. Setups at one micro-batch share a reference, so their order is the paired ratios' order."""
+    own = record.summary.tokens_per_s_per_rank if record.status == "ok" else None
+    reference_id = record.equivalence.reference_case if record.equivalence else None
+    reference = next((r for r in records if r.case_id == reference_id), None)
+    paired = record.paired is not None and record.paired.median_ratio is not None
+    if own is None or reference is None or reference is record or not paired or record.ratio_to_ddp is None:
+        return own
+    base = reference.summary.tokens_per_s_per_rank
+    return own if base is None else base / record.ratio_to_ddp
+
+
+def _measured(row: Verified, record: CaseRecord, records: list[CaseRecord]) -> None:
+    row.status = record.status
+    row.error = record.error
+    row.measured_tokens_per_s_per_gpu = measured_rate(record, records)
+    if record.memory is not None:
+        row.measured_peak_bytes = record.memory.peak_bytes
+        row.memory_kind = record.memory.kind
+    row.ratio_to_ddp = record.summary_row().ratio_to_ddp
+    row.equivalent = record.equivalent
+    if record.status == "oom":
+        row.tune_error = "predicted to fit, ran out of memory"
