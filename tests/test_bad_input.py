@@ -58,7 +58,7 @@ CASES = [
         "has no .blocks",
     ),
     ("stage-out-of-range", GOOD.replace("[ddp]", "[{name: ddp, stages: [4]}]"), [], "stages.0"),
-    ("stage-zero", GOOD.replace("[ddp]", "[{name: ddp, stages: [0]}]"), [], "greater than or equal to 1"),
+    ("stage-negative", GOOD.replace("[ddp]", "[{name: ddp, stages: [-1]}]"), [], "greater than or equal to 0"),
     ("world-size-zero", GOOD.replace("[2]", "[0]"), [], "world_sizes.0"),
     (
         "world-size-word",

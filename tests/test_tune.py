@@ -245,3 +245,109 @@ def test_a_transformers_config_that_keeps_its_shapes_still_keys_a_new_trace(tmp_
     (a,) = search_space(_question(model=paths[0], micro_batches=(1,), seq_len=16)).cases
     b = a.model_copy(update={"model": paths[1]})
     assert trace_key(a) != trace_key(b)
+
+
+# --- what tune hands on: a suite, a DeepSpeed config; DeepSpeed estimated; --verify's refusal -------------------
+
+DEEPSPEED_BASE = ("tune", "--model", "tiny", "--gpus", "2", "--cluster", "cpu-2core", "-i", "zero1", "-i", "zero3",
+                  "-i", "deepspeed", "--micro-batch", "1", "--checkpointing", "off", "--precision", "fp32")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def with_deepspeed(cli, cache_dir, tmp_path_factory):
+    """zero1, zero3 and DeepSpeed (estimated from them) at micro-batch 1, the top 4 and DeepSpeed's best written."""
+    out = tmp_path_factory.mktemp("emitted")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ZBENCH_CACHE_DIR", str(cache_dir))
+        r = cli(*DEEPSPEED_BASE, "--json", "--top", "4", "--emit-suite", str(out / "chosen.yaml"),
+                "--emit-deepspeed", str(out / "ds.json"))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout), out
+
+
+def test_deepspeed_is_estimated_from_the_same_stages_trace_with_its_own_layout(with_deepspeed):
+    """Each DeepSpeed setup is its zero1/zero3 stand-in's trace: the same predicted step, the activations and
+    buffers the stand-in's trace holds beyond its model states, DeepSpeed's declared model states in place of the
+    stand-in's; labelled as estimated."""
+    from zbench.cases import registry
+    from zbench.cases.formulas import placement_for
+    from zbench.plan.trace.plan import make_case
+    from zbench.run.aggregate import declared_layout
+
+    doc, _ = with_deepspeed
+    every = doc["ranked"] + doc["pruned"]
+    ds = [s for s in every if s["implementation"] == "deepspeed"]
+    # DeepSpeed runs stages 1-3 with none / optimizer / optimizer+params; zero1 and zero3 were searched
+    assert {(s["stage"], s["offload"]) for s in ds} == {
+        (1, "none"), (1, "optimizer"), (3, "none"), (3, "optimizer"), (3, "optimizer+params")
+    }  # fmt: skip
+    assert any("deepspeed: estimated, not traced" in line for line in doc["left_out"])
+    for s in ds:
+        stand_in = next(z for z in every if z["implementation"] == f"zero{s['stage']}" and z["offload"] == s["offload"])
+        assert s["estimated_from"] == stand_in["implementation"] and "(estimated from" in s["name"]
+        assert s["estimate"] == stand_in["estimate"]
+        case = make_case("tiny", "deepspeed", s["stage"], s["offload"], gpus=2, precision="fp32", micro_batch=1,
+                         seq_len=32, device="cpu", checkpointing=False)  # fmt: skip
+        assert case.capabilities == registry.resolve("deepspeed").capabilities
+        place, _ = declared_layout(case)
+        host = sum(cat.get("host", 0.0) for cat in place.values())
+        assert s["needs"]["host_per_node"] == pytest.approx(host * 2)
+        device = sum(cat.get("device", 0.0) for cat in place.values())
+        zero_device = stand_in["needs"]["gpu"] - s["needs"]["gpu"] + device  # the stand-in's traced states...
+        zero = case.model_copy(
+            update={
+                "implementation": f"zero{s['stage']}",
+                "capabilities": registry.resolve(f"zero{s['stage']}").capabilities,
+            }
+        )
+        formula = sum(cat.get("device", 0.0) for cat in placement_for(zero).values())
+        assert zero_device == pytest.approx(formula, rel=0.05)  # ...are the ZeRO formulas' (a flat rank's few %)
+
+
+def test_deepspeed_without_its_stand_ins_is_not_searched_and_says_why(cli, cache_dir, monkeypatch):
+    monkeypatch.setenv("ZBENCH_CACHE_DIR", str(cache_dir))
+    r = cli("tune", "--model", "tiny", "--gpus", "2", "--cluster", "cpu-2core", "-i", "ddp", "-i", "deepspeed",
+            "--micro-batch", "1", "--checkpointing", "off", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert not [s for s in doc["ranked"] + doc["pruned"] if s["implementation"] == "deepspeed"]
+    assert any("left out (-i zero1 -i zero2 -i zero3)" in line for line in doc["left_out"])
+
+
+def test_the_emitted_suite_is_the_top_setups_for_zbench_run(with_deepspeed, cli, tmp_path):
+    """What ``--emit-suite`` writes is a suite ``zbench run`` expands into exactly the chosen setups, each with a
+    DDP reference trained the same way; its header carries each one's prediction."""
+    doc, out = with_deepspeed
+    text = (out / "chosen.yaml").read_text()
+    chosen = doc["ranked"][:4]
+    for i, s in enumerate(chosen, 1):
+        assert f"# {i}. {s['name']}: " in text
+    r = cli("run", str(out / "chosen.yaml"), "--dry-run", "--results", str(tmp_path), "--report", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    for s in chosen:
+        offload = s["offload"].replace("+", "_")
+        assert f"tiny-{s['implementation']}-s{s['stage']}-w2-fp32-{offload} " in r.stdout.replace("│", " ")
+    assert "tiny-ddp-s0-w2-fp32-none " in r.stdout.replace("│", " ")
+    assert f"{len(chosen) + 1} would run" in r.stdout  # + DDP (micro-batch 1: no noise twin to split it)
+
+
+def test_the_emitted_deepspeed_config_reads_back_as_the_setup_it_was_written_for(with_deepspeed, tmp_path):
+    """zbench's own DeepSpeed-config reader maps the emitted file back to the best DeepSpeed setup's stage,
+    offload, micro-batch and precision (DeepSpeed itself parses it in the heavy tier)."""
+    from zbench.suite.deepspeed_config import read
+
+    doc, out = with_deepspeed
+    best = next(s for s in doc["ranked"] if s["implementation"] == "deepspeed")
+    mapped = read(out / "ds.json")
+    assert mapped.suite["stage"] == best["stage"]
+    assert mapped.suite["offload"] == [best["offload"]] or mapped.suite.get("offload", ["none"]) == [best["offload"]]
+    assert mapped.suite["micro_batch"] == best["micro_batch"] and mapped.suite["precisions"] == ["fp32"]
+    raw = json.loads((out / "ds.json").read_text())
+    assert raw["train_batch_size"] == best["micro_batch"] * best["grad_accum"] * 2
+    assert raw["optimizer"]["type"] == "AdamW" and "zero_force_ds_cpu_optimizer" not in raw
+
+
+def test_verify_refuses_a_profile_not_calibrated_here(tune, answer):
+    r = tune("--verify", "2")
+    assert r.returncode == 2
+    assert "--verify: the profile 'cpu-2core' was not measured here" in r.stderr.strip().splitlines()[-1]

@@ -143,8 +143,10 @@ def test_entries_with_their_own_axes_are_setups_each_with_a_ddp_reference_traine
     assert by_impl["zero2"] == [("optimizer", 2, 2, False)]
     assert by_impl["fsdp"] == [("none", 8, 1, True)]
     assert by_impl["torch_zero"] == [("none", 4, 1, False)]  # the suite's own
-    assert sorted(by_impl["ddp"]) == sorted(by_impl["ddp-twin"]) == sorted(
-        [("none", 2, 2, False), ("none", 8, 1, True), ("none", 4, 1, False)]
+    assert (
+        sorted(by_impl["ddp"])
+        == sorted(by_impl["ddp-twin"])
+        == sorted([("none", 2, 2, False), ("none", 8, 1, True), ("none", 4, 1, False)])
     )
     references = {c.reference_key for c in cases if c.implementation == "ddp"}
     assert all(c.reference_key in references for c in cases)

@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import typer
 from rich.table import Table
 from rich.text import Text
-
-from pathlib import Path
 
 from zbench.cli.options import DEFAULT_PRECISION, JsonOpt, ReportOpt, ResultsOpt, key_values, results_dir, stdout
 from zbench.cli.plan import ModelOpt, checked_model_info
@@ -175,7 +174,7 @@ def tune(
     Example: zbench tune --model gpt-1.3b --gpus 8 --cluster h100-sxm --host-memory 1024
     """
     from zbench.plan.trace import plan as trace_mod
-    from zbench.tune import search, space
+    from zbench.tune import deepspeed_estimate, search, space
     from zbench.tune.cache import TraceCache
 
     started = time.perf_counter()
@@ -188,6 +187,7 @@ def tune(
         option=option, device=device,
     )  # fmt: skip
     found = space.search_space(question)
+    found.left_out.extend(deepspeed_estimate.left_out(question))
     if not found.cases:
         raise UsageError("nothing to search: " + "; ".join(found.left_out or ["no setup runs here"]))
     limits = search.Limits(
@@ -199,6 +199,7 @@ def tune(
         found.cases, profile, limits, cache=TraceCache(), fresh=fresh, progress=trace_mod.stderr_progress,
         extrapolate=not whole,
     )  # fmt: skip
+    ranked = search.ranked(ranked + deepspeed_estimate.estimate(question, ranked, profile, limits))
     elapsed = time.perf_counter() - started
     survivors = [c for c in ranked if c.pruned is None]
     if not survivors:
@@ -357,11 +358,13 @@ def _print_answer(
     if limits.host_bytes_per_node is None:
         lines.append("host memory not checked (give --host-memory GiB per node)")
     lines.append(MEASURED_ERROR[profile.compute_model()])
-    traced = [c for c in ranked if c.traced is not None]
+    traced = [c for c in ranked if c.traced is not None and c.estimated_from is None]
     cached = sum(c.cached for c in traced)
+    estimated = sum(c.estimated_from is not None for c in ranked)
+    untraced = len(ranked) - len(traced) - estimated
     lines.append(
         f"answered in {elapsed:.0f} s: {len(traced)} setups traced ({cached} from the cache), "
-        f"{len(ranked) - len(traced)} pruned untraced"
+        f"{untraced} pruned untraced" + (f", {estimated} estimated from those traces" if estimated else "")
     )
     for line in lines:
         out.print(Text(line))
@@ -382,6 +385,7 @@ def _document(q: Any, profile: Any, limits: Any, ranked: list, left_out: list[st
             "name": c.name, "implementation": case.implementation, "stage": case.stage, "offload": case.offload,
             "micro_batch": case.micro_batch, "grad_accum": case.grad_accum,
             "checkpointing": case.activation_checkpointing, "cached": c.cached, "extrapolated": c.extrapolated,
+            "estimated_from": c.estimated_from,
             "needs": asdict(c.needs) if c.needs else None, "pruned": c.pruned,
             "estimate": c.estimate.to_json() if c.estimate else None,
         }  # fmt: skip

@@ -103,8 +103,9 @@ class ImplementationEntry(_Frozen):
     """
 
     name: str
-    stages: Annotated[list[Annotated[int, Field(ge=1, le=3)]], BeforeValidator(_as_list)] | None = None
-    """For implementations that support several stages: which to run (default: all it supports)."""
+    stages: Annotated[list[Annotated[int, Field(ge=0, le=3)]], BeforeValidator(_as_list)] | None = None
+    """For implementations that support several stages: which to run (default: all it supports; 0 is FSDP1's
+    NO_SHARD)."""
     options: dict[str, Any] = Field(default_factory=dict)
     offload: Annotated[list[Offload], BeforeValidator(_as_list)] | None = None
     micro_batch: int | None = Field(None, ge=1)

@@ -31,10 +31,7 @@ HARNESS_ONLY = ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", 
 
 def entry(case: Case) -> dict[str, Any]:
     """One setup as a suite's implementation entry."""
-    out: dict[str, Any] = {"name": case.implementation}
-    if case.stage:  # DDP has none to choose
-        out["stages"] = [case.stage]
-    out["offload"] = [case.offload]
+    out: dict[str, Any] = {"name": case.implementation, "stages": [case.stage], "offload": [case.offload]}
     out["micro_batch"] = case.micro_batch
     if case.grad_accum > 1:
         out["grad_accum"] = case.grad_accum

@@ -71,10 +71,13 @@ class Candidate:
     overshoot: float = 0.0
     """Bytes over the tightest limit it broke, as a share of that limit."""
     estimate: StepEstimate | None = None
+    estimated_from: str | None = None
+    """The traced setup this one's needs and step are read off, where it cannot be traced itself (DeepSpeed:
+    ``zbench.tune.deepspeed_estimate``)."""
 
     @property
     def name(self) -> str:
-        return describe(self.case)
+        return describe(self.case) + (f" (estimated from {self.estimated_from})" if self.estimated_from else "")
 
     @property
     def cached(self) -> bool:
@@ -280,6 +283,11 @@ def search(
             _judge(c, t, cluster, limits)
             if c.pruned and c.pruned.startswith("GPU"):
                 too_big.setdefault(_siblings(c.case), mb)
+    return ranked(candidates)
+
+
+def ranked(candidates: list[Candidate]) -> list[Candidate]:
+    """The survivors by predicted tokens/s per GPU (fastest first), then the pruned by overshoot (nearest first)."""
     survivors = sorted((c for c in candidates if c.pruned is None), key=lambda c: -_rate(c))
     pruned = sorted((c for c in candidates if c.pruned is not None), key=lambda c: c.overshoot)
     return survivors + pruned

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from zbench.cases import registry
 from zbench.cases.case import Case
 from zbench.plan.trace.plan import case_name, combinations, make_case, untraceable
+from zbench.suite.preflight import DEEPSPEED
 
 #: Micro-batches tried when none is given: sequences per rank per forward.
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
@@ -58,7 +59,8 @@ def search_space(q: Question) -> Space:
     """Every traceable setup of ``q``; the rest in ``left_out``, one line each."""
     space = Space()
     for name, reason in untraceable(q.implementations).items():
-        space.left_out.append(f"{name}: not searched: {reason}")
+        if name != DEEPSPEED:  # estimated from the reference engine's traces (zbench.tune.deepspeed_estimate)
+            space.left_out.append(f"{name}: not searched: {reason}")
     names = [n for n in q.implementations if _runs_precision(n, q.precision, space.left_out)]
     accum = {mb: grad_accum_for(q, mb) for mb in q.micro_batches}
     for mb, ga in accum.items():

@@ -20,10 +20,10 @@ from typing import Any
 from scipy.stats import kendalltau
 
 from zbench.atomic import atomic_write_json
-from zbench.report.tune_page import TUNE_FILE
 from zbench.cases.case import Case
 from zbench.errors import UsageError
 from zbench.plan.simulate.cluster import Cluster
+from zbench.report.tune_page import TUNE_FILE
 from zbench.results.record import CaseRecord
 from zbench.run.console import Progress
 from zbench.run.runner import RunResult, run_suite
@@ -32,6 +32,7 @@ from zbench.suite import preflight
 from zbench.tune import emit
 from zbench.tune.search import Candidate
 from zbench.tune.space import Question
+
 
 def this_device() -> str:
     """What ``zbench calibrate`` records as the device here: the first GPU's name, or ``cpu``."""
