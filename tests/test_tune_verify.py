@@ -104,15 +104,19 @@ def test_the_emitted_suite_runs(verified, cli, tmp_path):
 
 
 def _parse_on_rank(rank: int, path: str, port: int) -> None:
-    import torch.distributed as dist
+    """One rank of a 2-rank group: DeepSpeed's communication set up as its launcher would, then its config parser
+    (which reads the world size from that group)."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", DS_ACCELERATOR="cpu")  # fmt: skip
+    import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        config = DeepSpeedConfig(path)
-        assert config.train_batch_size == config.train_micro_batch_size_per_gpu * config.gradient_accumulation_steps * 2
-    finally:
-        dist.destroy_process_group()
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = DeepSpeedConfig(path)
+    assert config.world_size == 2
+    assert config.train_batch_size == config.train_micro_batch_size_per_gpu * config.gradient_accumulation_steps * 2
 
 
 def test_deepspeed_accepts_the_emitted_config_at_the_world_it_was_written_for(cli, tmp_path, monkeypatch):
