@@ -186,6 +186,10 @@ def tune(
         precision=precision, implementation=implementation, offload=offload, checkpointing=checkpointing,
         option=option, device=device,
     )  # fmt: skip
+    if verify:  # refused before minutes of tracing, not after
+        from zbench.tune.verify import check_this_machine
+
+        check_this_machine(profile)
     found = space.search_space(question)
     found.left_out.extend(deepspeed_estimate.left_out(question))
     if not found.cases:
@@ -204,10 +208,6 @@ def tune(
     survivors = [c for c in ranked if c.pruned is None]
     if not survivors:
         raise UsageError(_nothing_fits(ranked, limits))
-    if verify:
-        from zbench.tune.verify import check_this_machine
-
-        check_this_machine(profile)
     document = _document(question, profile, limits, ranked, found.left_out, elapsed)
     if emit_suite is not None:
         _emit_suite(emit_suite, question, profile, survivors[:top])

@@ -2,7 +2,8 @@
 
 The directory holds ``index.html`` (the run at a glance: the setup matrix, what changed since the earlier
 runs, every case in a sortable and filterable table, the charts), ``cases/<case id>.html`` (one page per
-case, everything recorded about it), and the two scripts the pages load from beside them: the charting
+case, everything recorded about it), ``tune.html`` for a run ``zbench tune --verify`` made (its search and
+predictions against what the run measured), and the two scripts the pages load from beside them: the charting
 library (``plotly-<version>.min.js``, 4.6 MB, written once per directory and version) and
 ``zbench-report.js`` (tables and charts). Charts travel as JSON in the pages (``charts``), drawn by the
 script, so a page never inlines the library and a file:// browser needs nothing else.
