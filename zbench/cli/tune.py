@@ -173,53 +173,52 @@ def tune(
 
     Example: zbench tune --model gpt-1.3b --gpus 8 --cluster h100-sxm --host-memory 1024
     """
-    from zbench.plan.trace import plan as trace_mod
-    from zbench.tune import deepspeed_estimate, search, space
-    from zbench.tune.cache import TraceCache
+    from zbench.tune import search
 
     started = time.perf_counter()
     _check_numbers(gpus, nodes, gpu_memory, host_memory, disk, global_batch, micro_batch, top, reserve)
-    if verify < 0 or verify_steps < 2 or paired_rounds < 0:
-        raise UsageError("--verify and --paired-rounds must be >= 0, --verify-steps >= 2")
     question, profile = _question(
         model, cluster, gpus=gpus, nodes=nodes, global_batch=global_batch, micro_batch=micro_batch, seq_len=seq_len,
         precision=precision, implementation=implementation, offload=offload, checkpointing=checkpointing,
         option=option, device=device,
     )  # fmt: skip
-    if verify:  # refused before minutes of tracing, not after
-        from zbench.tune.verify import check_this_machine
-
-        check_this_machine(profile)
-    found = space.search_space(question)
-    found.left_out.extend(deepspeed_estimate.left_out(question))
-    if not found.cases:
-        raise UsageError("nothing to search: " + "; ".join(found.left_out or ["no setup runs here"]))
+    _check_verify(verify, verify_steps, paired_rounds, profile)  # before minutes of tracing, not after
     limits = search.Limits(
         gpu_bytes=(gpu_memory or profile.memory_gib) * search.GIB, reserve=reserve,
         host_bytes_per_node=host_memory * search.GIB if host_memory else None,
         disk_bytes_per_node=disk * search.GIB if disk else None, gpus_per_node=profile.gpus_per_node,
     )  # fmt: skip
+    ranked, left_out = _searched(question, profile, limits, fresh=fresh, whole=whole)
+    elapsed = time.perf_counter() - started
+    document = _document(question, profile, limits, ranked, left_out, elapsed)
+    _emit(emit_suite, emit_deepspeed, question, profile, ranked, top)
+    if not as_json:
+        _print_answer(question, profile, limits, ranked, left_out, top, elapsed)
+    elif not verify:
+        print(json.dumps(document, indent=1))
+    if verify:
+        _verify(question, ranked, verify, profile, document, verify_steps, paired_rounds, results, report, as_json)
+
+
+def _searched(q: Any, profile: Any, limits: Any, *, fresh: bool, whole: bool) -> tuple[list, list[str]]:
+    """Every setup of ``q`` traced (DeepSpeed's estimated), pruned and ranked, survivors first; and what was left
+    out, one line each. None fits: one line."""
+    from zbench.plan.trace import plan as trace_mod
+    from zbench.tune import deepspeed_estimate, search, space
+    from zbench.tune.cache import TraceCache
+
+    found = space.search_space(q)
+    found.left_out.extend(deepspeed_estimate.left_out(q))
+    if not found.cases:
+        raise UsageError("nothing to search: " + "; ".join(found.left_out or ["no setup runs here"]))
     ranked = search.search(
         found.cases, profile, limits, cache=TraceCache(), fresh=fresh, progress=trace_mod.stderr_progress,
         extrapolate=not whole,
     )  # fmt: skip
-    ranked = search.ranked(ranked + deepspeed_estimate.estimate(question, ranked, profile, limits))
-    elapsed = time.perf_counter() - started
-    survivors = [c for c in ranked if c.pruned is None]
-    if not survivors:
+    ranked = search.ranked(ranked + deepspeed_estimate.estimate(q, ranked, profile, limits))
+    if ranked[0].pruned is not None:  # the survivors come first
         raise UsageError(_nothing_fits(ranked, limits))
-    document = _document(question, profile, limits, ranked, found.left_out, elapsed)
-    if emit_suite is not None:
-        _emit_suite(emit_suite, question, profile, survivors[:top])
-    if emit_deepspeed is not None:
-        _emit_deepspeed(emit_deepspeed, ranked)
-    if as_json and not verify:
-        print(json.dumps(document, indent=1))
-        return
-    if not as_json:
-        _print_answer(question, profile, limits, ranked, found.left_out, top, elapsed)
-    if verify:
-        _verify(question, survivors[:verify], profile, document, verify_steps, paired_rounds, results, report, as_json)
+    return ranked, found.left_out
 
 
 def _question(
@@ -403,6 +402,23 @@ def _document(q: Any, profile: Any, limits: Any, ranked: list, left_out: list[st
     }
 
 
+def _check_verify(verify: int, steps: int, paired_rounds: int, profile: Any) -> None:
+    if verify < 0 or steps < 2 or paired_rounds < 0:
+        raise UsageError("--verify and --paired-rounds must be >= 0, --verify-steps >= 2")
+    if verify:
+        from zbench.tune.verify import check_this_machine
+
+        check_this_machine(profile)
+
+
+def _emit(suite: Path | None, deepspeed: Path | None, q: Any, profile: Any, ranked: list, top: int) -> None:
+    """``--emit-suite`` and ``--emit-deepspeed``, each when asked."""
+    if suite is not None:
+        _emit_suite(suite, q, profile, [c for c in ranked if c.pruned is None][:top])
+    if deepspeed is not None:
+        _emit_deepspeed(deepspeed, ranked)
+
+
 def _emit_suite(path: Path, q: Any, profile: Any, chosen: list) -> None:
     """The chosen setups as a suite file, each one's predicted rank and figures in the header."""
     from zbench.plan.simulate.sweep import MEASURED_ERROR
@@ -435,7 +451,7 @@ def _emit_deepspeed(path: Path, ranked: list) -> None:
 
 
 def _verify(
-    q: Any, chosen: list, profile: Any, document: dict[str, Any], steps: int, paired_rounds: int,
+    q: Any, ranked: list, n: int, profile: Any, document: dict[str, Any], steps: int, paired_rounds: int,
     results: Path | None, report: Path, as_json: bool,
 ) -> None:  # fmt: skip
     """Run the chosen setups, show predicted against measured, write the report; exit 1 on a failed setup."""
@@ -443,6 +459,7 @@ def _verify(
     from zbench.tune.verify import verify
 
     root = results_dir(None, results)
+    chosen = [c for c in ranked if c.pruned is None][:n]
     print(f"verifying the top {len(chosen)} setups: {steps} steps each, checked against DDP", file=sys.stderr)
     checked, result = verify(
         q, chosen, profile, results_root=root, steps=steps, paired_rounds=paired_rounds, search_document=document
