@@ -351,3 +351,17 @@ def test_verify_refuses_a_profile_not_calibrated_here(tune, answer):
     r = tune("--verify", "2")
     assert r.returncode == 2
     assert "--verify: the profile 'cpu-2core' was not measured here" in r.stderr.strip().splitlines()[-1]
+
+
+def test_an_emitted_nvme_setup_swaps_where_nvme_dir_says_or_the_header_asks_for_one(tune, answer, tmp_path):
+    import yaml
+
+    r = tune("--top", "10", "--emit-suite", str(tmp_path / "with.yaml"), "--nvme-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    written = yaml.safe_load((tmp_path / "with.yaml").read_text())
+    assert written["nvme_dir"] == str(tmp_path)
+    assert any(e["offload"] == ["nvme"] for e in written["implementations"])
+    r = tune("--top", "10", "--emit-suite", str(tmp_path / "without.yaml"))
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "without.yaml").read_text()
+    assert "# An NVMe-offload setup: set nvme_dir" in text and "nvme_dir" not in yaml.safe_load(text)

@@ -128,6 +128,15 @@ VerifyOpt = Annotated[
         "order and memory.",
     ),
 ]
+NvmeDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--nvme-dir",
+        metavar="DIR",
+        help="Where an NVMe-offload setup swaps, in the emitted suite and under --verify (a directory on a local "
+        "disk; a suite with such a setup and none is refused when run).",
+    ),
+]
 VerifyStepsOpt = Annotated[int, typer.Option(help="Steps each verified setup trains (the first 3 are warm-up).")]
 PairedRoundsOpt = Annotated[
     int, typer.Option(help="Rounds of one step of each verified setup and one of DDP, alternating (the paired ratio).")
@@ -162,6 +171,7 @@ def tune(
     emit_suite: EmitSuiteOpt = None,
     emit_deepspeed: EmitDeepSpeedOpt = None,
     verify: VerifyOpt = 0,
+    nvme_dir: NvmeDirOpt = None,
     verify_steps: VerifyStepsOpt = 12,
     paired_rounds: PairedRoundsOpt = 10,
     results: ResultsOpt = None,
@@ -173,8 +183,6 @@ def tune(
 
     Example: zbench tune --model gpt-1.3b --gpus 8 --cluster h100-sxm --host-memory 1024
     """
-    from zbench.tune import search
-
     started = time.perf_counter()
     _check_numbers(gpus, nodes, gpu_memory, host_memory, disk, global_batch, micro_batch, top, reserve)
     question, profile = _question(
@@ -183,21 +191,31 @@ def tune(
         option=option, device=device,
     )  # fmt: skip
     _check_verify(verify, verify_steps, paired_rounds, profile)  # before minutes of tracing, not after
-    limits = search.Limits(
-        gpu_bytes=(gpu_memory or profile.memory_gib) * search.GIB, reserve=reserve,
-        host_bytes_per_node=host_memory * search.GIB if host_memory else None,
-        disk_bytes_per_node=disk * search.GIB if disk else None, gpus_per_node=profile.gpus_per_node,
-    )  # fmt: skip
+    limits = _limits(profile, gpu_memory, host_memory, disk, reserve)
     ranked, left_out = _searched(question, profile, limits, fresh=fresh, whole=whole)
     elapsed = time.perf_counter() - started
     document = _document(question, profile, limits, ranked, left_out, elapsed)
-    _emit(emit_suite, emit_deepspeed, question, profile, ranked, top)
+    _emit(emit_suite, emit_deepspeed, question, profile, ranked, top, nvme_dir)
     if not as_json:
         _print_answer(question, profile, limits, ranked, left_out, top, elapsed)
     elif not verify:
         print(json.dumps(document, indent=1))
     if verify:
-        _verify(question, ranked, verify, profile, document, verify_steps, paired_rounds, results, report, as_json)
+        _verify(question, ranked, verify, profile, document, (verify_steps, paired_rounds, nvme_dir), results, report,
+                as_json)  # fmt: skip
+
+
+def _limits(
+    profile: Any, gpu_memory: float | None, host_memory: float | None, disk: float | None, reserve: float
+) -> Any:
+    """What one GPU and one node offer: the flags', else the profile's."""
+    from zbench.tune.search import GIB, Limits
+
+    return Limits(
+        gpu_bytes=(gpu_memory or profile.memory_gib) * GIB, reserve=reserve,
+        host_bytes_per_node=host_memory * GIB if host_memory else None,
+        disk_bytes_per_node=disk * GIB if disk else None, gpus_per_node=profile.gpus_per_node,
+    )  # fmt: skip
 
 
 def _searched(q: Any, profile: Any, limits: Any, *, fresh: bool, whole: bool) -> tuple[list, list[str]]:
@@ -411,15 +429,17 @@ def _check_verify(verify: int, steps: int, paired_rounds: int, profile: Any) -> 
         check_this_machine(profile)
 
 
-def _emit(suite: Path | None, deepspeed: Path | None, q: Any, profile: Any, ranked: list, top: int) -> None:
+def _emit(
+    suite: Path | None, deepspeed: Path | None, q: Any, profile: Any, ranked: list, top: int, nvme_dir: Path | None
+) -> None:
     """``--emit-suite`` and ``--emit-deepspeed``, each when asked."""
     if suite is not None:
-        _emit_suite(suite, q, profile, [c for c in ranked if c.pruned is None][:top])
+        _emit_suite(suite, q, profile, [c for c in ranked if c.pruned is None][:top], nvme_dir)
     if deepspeed is not None:
         _emit_deepspeed(deepspeed, ranked)
 
 
-def _emit_suite(path: Path, q: Any, profile: Any, chosen: list) -> None:
+def _emit_suite(path: Path, q: Any, profile: Any, chosen: list, nvme_dir: Path | None) -> None:
     """The chosen setups as a suite file, each one's predicted rank and figures in the header."""
     from zbench.plan.simulate.sweep import MEASURED_ERROR
     from zbench.tune import emit
@@ -434,7 +454,10 @@ def _emit_suite(path: Path, q: Any, profile: Any, chosen: list) -> None:
         header.append(f"{i}. {c.name}: {c.estimate.tokens_per_s_per_gpu:,.0f} tokens/s per GPU predicted, GPU peak "
                       f"{_gib(c.needs.gpu)} traced")  # fmt: skip
     device = "cpu" if profile.on_cpu() else "cuda"
-    text = emit.suite_text(emit.suite_document(q, [c.case for c in chosen], device=device), header)
+    settings: dict[str, Any] = {"nvme_dir": str(nvme_dir)} if nvme_dir else {}
+    if nvme_dir is None and any(c.case.offload == "nvme" for c in chosen):
+        header += ["", "An NVMe-offload setup: set nvme_dir (a directory on a local disk) before running."]
+    text = emit.suite_text(emit.suite_document(q, [c.case for c in chosen], device=device, **settings), header)
     emit.write(path, text)
     print(f"suite of {len(chosen)} setups written to {path}", file=sys.stderr)
 
@@ -451,7 +474,7 @@ def _emit_deepspeed(path: Path, ranked: list) -> None:
 
 
 def _verify(
-    q: Any, ranked: list, n: int, profile: Any, document: dict[str, Any], steps: int, paired_rounds: int,
+    q: Any, ranked: list, n: int, profile: Any, document: dict[str, Any], how: tuple[int, int, Path | None],
     results: Path | None, report: Path, as_json: bool,
 ) -> None:  # fmt: skip
     """Run the chosen setups, show predicted against measured, write the report; exit 1 on a failed setup."""
@@ -460,10 +483,12 @@ def _verify(
 
     root = results_dir(None, results)
     chosen = [c for c in ranked if c.pruned is None][:n]
+    steps, paired_rounds, nvme_dir = how
     print(f"verifying the top {len(chosen)} setups: {steps} steps each, checked against DDP", file=sys.stderr)
     checked, result = verify(
-        q, chosen, profile, results_root=root, steps=steps, paired_rounds=paired_rounds, search_document=document
-    )
+        q, chosen, profile, results_root=root, steps=steps, paired_rounds=paired_rounds, search_document=document,
+        nvme_dir=str(nvme_dir) if nvme_dir else None,
+    )  # fmt: skip
     page = render(result.run, report, results_root=root)
     if as_json:
         print(json.dumps({**document, "verification": checked.to_json()}, indent=1))

@@ -108,13 +108,14 @@ def verify(
     steps: int,
     paired_rounds: int,
     search_document: dict[str, Any],
+    nvme_dir: str | None = None,
 ) -> tuple[Verification, RunResult]:
     """Train ``chosen`` (ranked, best first) as a suite, store it as any run, and compare with the prediction;
     ``search_document`` (what tune searched, pruned and predicted) is kept beside the run for its report page."""
     device = "cuda" if this_device() != "cpu" else "cpu"
     document = emit.suite_document(
         q, [c.case for c in chosen], device=device, steps=steps, warmup_steps=min(3, steps - 1),
-        paired_rounds=paired_rounds,
+        paired_rounds=paired_rounds, **({"nvme_dir": nvme_dir} if nvme_dir else {}),
     )  # fmt: skip
     suite_file = suite_config.from_flags(suite_config.from_dict(document, source="the verification suite"))
     suite = preflight.prepare(suite_file)
