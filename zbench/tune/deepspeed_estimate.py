@@ -18,7 +18,7 @@ from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.trace.plan import make_case
 from zbench.run.aggregate import declared_layout
 from zbench.suite.preflight import DEEPSPEED
-from zbench.tune.search import Candidate, Limits, Needs, prune
+from zbench.tune.search import Candidate, Limits, Needs, placed_bytes, prune
 from zbench.tune.space import Question, grad_accum_for
 
 
@@ -40,11 +40,9 @@ def left_out(q: Question) -> list[str]:
             "zero1-3 trace with DeepSpeed's declared layout in place of its model states")  # fmt: skip
     if missing:
         line += f"; not at the stages of {', '.join(missing)}, left out (-i {' -i '.join(missing)})"
+    if absent := registry.resolve(DEEPSPEED).capabilities.missing:
+        line += f"; it cannot run here ({absent})"
     return [line]
-
-
-def _placed(place: dict[str, dict[str, float]], where: str) -> float:
-    return sum(cat.get(where, 0.0) for cat in place.values())
 
 
 def estimate(q: Question, searched: list[Candidate], cluster: Cluster, limits: Limits) -> list[Candidate]:
@@ -73,9 +71,9 @@ def estimate(q: Question, searched: list[Candidate], cluster: Cluster, limits: L
         place, _ = declared_layout(ds.case)
         ds.traced = c.traced
         ds.needs = Needs(
-            gpu=c.needs.gpu - c.traced.row.located("device") + _placed(place, "device"),
-            host_per_node=_placed(place, "host") * limits.gpus_per_node,
-            disk_per_node=_placed(place, "disk") * limits.gpus_per_node,
+            gpu=c.needs.gpu - c.traced.row.located("device") + placed_bytes(place, "device"),
+            host_per_node=placed_bytes(place, "host") * limits.gpus_per_node,
+            disk_per_node=placed_bytes(place, "disk") * limits.gpus_per_node,
         )
         prune(ds, limits, by=f" (estimated: {s.implementation}'s trace with DeepSpeed's layout)")
         if ds.pruned is None:

@@ -226,12 +226,12 @@ def formula_needs(case: Case, gpus_per_node: int) -> Needs:
     place = placement_for(case)
 
     def at(where: str) -> float:
-        return _placed(place, where) * (1 - FORMULA_SLACK)
+        return placed_bytes(place, where) * (1 - FORMULA_SLACK)
 
     return Needs(gpu=at("device"), host_per_node=at("host") * gpus_per_node, disk_per_node=at("disk") * gpus_per_node)
 
 
-def _placed(place: dict[str, dict[str, float]], where: str) -> float:
+def placed_bytes(place: dict[str, dict[str, float]], where: str) -> float:
     """A placement's bytes in one location, over every category."""
     return sum(cat.get(where, 0.0) for cat in place.values())
 
@@ -360,8 +360,8 @@ def gpus_that_would_fit(c: Candidate, limits: Limits, *, most: int = 65536) -> i
     gpus = case.world_size * 2
     while gpus <= most:
         place = placement_for(case.model_copy(update={"world_size": gpus}))  # the layout the implementation declares
-        device = _placed(place, "device") + beyond_states
-        host = (_placed(place, "host") + host_beyond) * limits.gpus_per_node
+        device = placed_bytes(place, "device") + beyond_states
+        host = (placed_bytes(place, "host") + host_beyond) * limits.gpus_per_node
         if device <= limits.usable_gpu_bytes and (
             limits.host_bytes_per_node is None or host <= limits.host_bytes_per_node
         ):
