@@ -288,7 +288,6 @@ def test_deepspeed_is_estimated_from_the_same_stages_trace_with_its_own_layout(w
         assert s["estimate"] == stand_in["estimate"]
         case = make_case("tiny", "deepspeed", s["stage"], s["offload"], gpus=2, precision="fp32", micro_batch=1,
                          seq_len=32, device="cpu", checkpointing=False)  # fmt: skip
-        assert case.capabilities == registry.resolve("deepspeed").capabilities
         place, _ = declared_layout(case)
         host = sum(cat.get("host", 0.0) for cat in place.values())
         assert s["needs"]["host_per_node"] == pytest.approx(host * 2)
@@ -340,7 +339,7 @@ def test_the_emitted_deepspeed_config_reads_back_as_the_setup_it_was_written_for
     best = next(s for s in doc["ranked"] if s["implementation"] == "deepspeed")
     mapped = read(out / "ds.json")
     assert mapped.suite["stage"] == best["stage"]
-    assert mapped.suite["offload"] == [best["offload"]] or mapped.suite.get("offload", ["none"]) == [best["offload"]]
+    assert mapped.suite["offload"] == [best["offload"]]
     assert mapped.suite["micro_batch"] == best["micro_batch"] and mapped.suite["precisions"] == ["fp32"]
     raw = json.loads((out / "ds.json").read_text())
     assert raw["train_batch_size"] == best["micro_batch"] * best["grad_accum"] * 2

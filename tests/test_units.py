@@ -155,6 +155,18 @@ def test_entries_with_their_own_axes_are_setups_each_with_a_ddp_reference_traine
     assert "mb" not in expand(config(world_sizes=[2]))[0].case_id  # a cross product's ids are as they were
 
 
+def test_ddp_listed_at_two_micro_batches_is_one_reference_at_each():
+    """A suite of chosen setups may rank DDP at two micro-batches: one DDP case (and twin) per shape, no
+    duplicate ids (micro-batch 1 has no twin: one sequence cannot be split)."""
+    entries = [{"name": "ddp", "micro_batch": 1}, {"name": "ddp", "micro_batch": 2}, {"name": "fsdp", "micro_batch": 2}]
+    cases = expand(config(world_sizes=[2], implementations=entries))
+    ids = [c.case_id for c in cases]
+    assert len(ids) == len(set(ids))
+    assert sorted((c.micro_batch, c.noise_twin) for c in cases if c.implementation == "ddp") == [
+        (1, False), (2, False), (2, True)
+    ]  # fmt: skip
+
+
 def test_unsupported_combinations_are_skipped_not_errors():
     cases = expand(config(offload=["none", "optimizer"]))
     skipped = [c for c in cases if c.skip_reason]

@@ -190,16 +190,17 @@ def tune(
         precision=precision, implementation=implementation, offload=offload, checkpointing=checkpointing,
         option=option, device=device,
     )  # fmt: skip
-    _check_verify(verify, verify_steps, paired_rounds, profile)  # before minutes of tracing, not after
+    nvme_dir = nvme_dir.resolve() if nvme_dir else None  # the suite is run from anywhere
+    _check_verify(verify, verify_steps, paired_rounds, profile, gpus, nvme_dir)  # before minutes of tracing, not after
     limits = _limits(profile, gpu_memory, host_memory, disk, reserve)
     ranked, left_out = _searched(question, profile, limits, fresh=fresh, whole=whole)
     elapsed = time.perf_counter() - started
     document = _document(question, profile, limits, ranked, left_out, elapsed)
-    _emit(emit_suite, emit_deepspeed, question, profile, ranked, top, nvme_dir)
     if not as_json:
         _print_answer(question, profile, limits, ranked, left_out, top, elapsed)
     elif not verify:
         print(json.dumps(document, indent=1))
+    _emit(emit_suite, emit_deepspeed, question, profile, ranked, top, nvme_dir)
     if verify:
         _verify(question, ranked, verify, profile, document, (verify_steps, paired_rounds, nvme_dir), results, report,
                 as_json)  # fmt: skip
@@ -310,9 +311,10 @@ def _nothing_fits(ranked: list, limits: Any) -> str:
     """One line: no setup fits; the nearest, by how much, and the GPU count at which it would."""
     from zbench.tune.search import gpus_that_would_fit
 
-    if all(c.pruned and c.pruned.startswith("cannot trace") for c in ranked):
-        return f"no setup could be traced; {ranked[0].name}: {ranked[0].pruned}"
-    nearest = next((c for c in ranked if c.needs is not None), ranked[0])
+    traced = [c for c in ranked if c.estimated_from is None]  # an estimate borrows a traced setup's fate
+    if all(c.pruned and c.pruned.startswith("cannot trace") for c in traced):
+        return f"no setup could be traced; {traced[0].name}: {traced[0].pruned}"
+    nearest = next((c for c in traced if c.needs is not None), traced[0])
     line = f"no setup fits; the nearest is {nearest.name}: {nearest.pruned}"
     gpus = gpus_that_would_fit(nearest, limits)
     if gpus:
@@ -420,13 +422,13 @@ def _document(q: Any, profile: Any, limits: Any, ranked: list, left_out: list[st
     }
 
 
-def _check_verify(verify: int, steps: int, paired_rounds: int, profile: Any) -> None:
+def _check_verify(verify: int, steps: int, paired_rounds: int, profile: Any, gpus: int, nvme: Path | None) -> None:
     if verify < 0 or steps < 2 or paired_rounds < 0:
         raise UsageError("--verify and --paired-rounds must be >= 0, --verify-steps >= 2")
     if verify:
-        from zbench.tune.verify import check_this_machine
+        from zbench.tune.verify import check_verifiable
 
-        check_this_machine(profile)
+        check_verifiable(profile, gpus, nvme)
 
 
 def _emit(
@@ -436,7 +438,7 @@ def _emit(
     if suite is not None:
         _emit_suite(suite, q, profile, [c for c in ranked if c.pruned is None][:top], nvme_dir)
     if deepspeed is not None:
-        _emit_deepspeed(deepspeed, ranked)
+        _emit_deepspeed(deepspeed, ranked, on_gpu=not profile.on_cpu())
 
 
 def _emit_suite(path: Path, q: Any, profile: Any, chosen: list, nvme_dir: Path | None) -> None:
@@ -451,8 +453,9 @@ def _emit_suite(path: Path, q: Any, profile: Any, chosen: list, nvme_dir: Path |
         "",
     ]
     for i, c in enumerate(chosen, 1):
+        how = "estimated" if c.estimated_from else "traced"
         header.append(f"{i}. {c.name}: {c.estimate.tokens_per_s_per_gpu:,.0f} tokens/s per GPU predicted, GPU peak "
-                      f"{_gib(c.needs.gpu)} traced")  # fmt: skip
+                      f"{_gib(c.needs.gpu)} {how}")  # fmt: skip
     device = "cpu" if profile.on_cpu() else "cuda"
     settings: dict[str, Any] = {"nvme_dir": str(nvme_dir)} if nvme_dir else {}
     if nvme_dir is None and any(c.case.offload == "nvme" for c in chosen):
@@ -462,14 +465,14 @@ def _emit_suite(path: Path, q: Any, profile: Any, chosen: list, nvme_dir: Path |
     print(f"suite of {len(chosen)} setups written to {path}", file=sys.stderr)
 
 
-def _emit_deepspeed(path: Path, ranked: list) -> None:
+def _emit_deepspeed(path: Path, ranked: list, *, on_gpu: bool) -> None:
     from zbench.suite.preflight import DEEPSPEED
     from zbench.tune import emit
 
     best = next((c for c in ranked if c.pruned is None and c.case.implementation == DEEPSPEED), None)
     if best is None:
         raise UsageError("--emit-deepspeed: no DeepSpeed setup fits (or -i left DeepSpeed out of the search)")
-    emit.write(path, emit.deepspeed_text(best.case))
+    emit.write(path, emit.deepspeed_text(best.case, on_gpu=on_gpu))
     print(f"DeepSpeed config of {best.name} written to {path}", file=sys.stderr)
 
 

@@ -89,11 +89,15 @@ def check_world_sizes(device: str, world_sizes: list[int], source: str, nnodes: 
 
 
 def entries_with_reference(config: SuiteConfig) -> list[ImplementationEntry]:
-    """The suite's implementations, DDP first (added when the suite does not list it)."""
-    entries = list(config.implementations)
-    if not any(e.name == REFERENCE for e in entries):
-        entries.insert(0, ImplementationEntry(name=REFERENCE))
-    return sorted(entries, key=lambda e: e.name != REFERENCE)
+    """The suite's implementations, DDP first (added when the suite does not list it). DDP entries alike but for
+    their own axes count once: a suite of chosen setups may list DDP at several micro-batches, and the reference
+    runs at every shape in use anyway (``reference_shapes``)."""
+    references: dict[str, ImplementationEntry] = {}
+    for e in config.implementations:
+        if e.name == REFERENCE:
+            references.setdefault(repr(sorted(e.options.items())), e)
+    others = [e for e in config.implementations if e.name != REFERENCE]
+    return [*(references.values() or [ImplementationEntry(name=REFERENCE)]), *others]
 
 
 def resolve_implementations(names: list[str], source: str) -> dict[str, Implementation]:

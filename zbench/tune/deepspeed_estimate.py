@@ -29,8 +29,8 @@ def stand_in_name(stage: int) -> str:
 
 def left_out(q: Question) -> list[str]:
     """What the user is told about DeepSpeed in the search: how it is estimated, or why it cannot be."""
-    if DEEPSPEED not in q.implementations:
-        return []
+    if DEEPSPEED not in q.implementations or q.precision not in registry.resolve(DEEPSPEED).capabilities.precisions:
+        return []  # (the search space says why, as for any implementation)
     stages = sorted(registry.resolve(DEEPSPEED).capabilities.stages)
     missing = [stand_in_name(s) for s in stages if stand_in_name(s) not in q.implementations]
     if len(missing) == len(stages):
@@ -65,7 +65,8 @@ def estimate(q: Question, searched: list[Candidate], cluster: Cluster, limits: L
         ds.estimated_from = s.implementation
         out.append(ds)
         if c.traced is None or c.needs is None:
-            ds.pruned = f"estimated from {c.name}, which was not traced: {c.pruned}"
+            traced = "could not be traced" if c.traced is not None else "was not traced"
+            ds.pruned = f"estimated from {c.name}, which {traced}: {c.pruned}"
             ds.overshoot = c.overshoot
             continue
         place, _ = declared_layout(ds.case)

@@ -33,8 +33,7 @@ def entry(case: Case) -> dict[str, Any]:
     """One setup as a suite's implementation entry."""
     out: dict[str, Any] = {"name": case.implementation, "stages": [case.stage], "offload": [case.offload]}
     out["micro_batch"] = case.micro_batch
-    if case.grad_accum > 1:
-        out["grad_accum"] = case.grad_accum
+    out["grad_accum"] = case.grad_accum
     out["activation_checkpointing"] = [case.activation_checkpointing]
     if case.options:
         out["options"] = dict(case.options)
@@ -77,20 +76,19 @@ def write(path: Path, text: str) -> None:
         raise UsageError(f"{path}: cannot write: {exc.strerror or exc}") from None
 
 
-def deepspeed_document(case: Case) -> dict[str, Any]:
+def deepspeed_document(case: Case, *, on_gpu: bool) -> dict[str, Any]:
     """``case`` (a DeepSpeed setup) as the DeepSpeed config a training script hands ``deepspeed.initialize``: the
-    one zbench trains it with (``deepspeed_config``), with the batch DeepSpeed checks the world against and the
-    suite's optimizer as DeepSpeed's own optimizer section in place of zbench's client optimizer."""
-    spec = case.train_spec(torch.device("cuda" if case.device == "cuda" else "cpu"))
+    one zbench trains it with (``deepspeed_config``) on a GPU (``on_gpu``: offloaded state in pinned memory) or a
+    CPU, with the batch DeepSpeed checks the world against, and DeepSpeed's own optimizer section (a suite's
+    default optimizer: set your own) in place of zbench's client optimizer."""
+    spec = case.train_spec(torch.device("cuda" if on_gpu else "cpu"))
     out = {k: v for k, v in deepspeed_config(spec, case.micro_batch).items() if k not in HARNESS_ONLY}
     out["train_batch_size"] = case.global_batch
-    optimizer = {"adamw": "AdamW", "sgd": "SGD"}[case.optimizer]
-    params: dict[str, Any] = {"lr": case.lr, "weight_decay": case.weight_decay}
-    if case.optimizer == "sgd":
-        params["momentum"] = case.momentum
-    out["optimizer"] = {"type": optimizer, "params": params}
+    default = suite_config.OptimizerConfig()
+    params: dict[str, Any] = {"lr": default.lr, "weight_decay": default.weight_decay}
+    out["optimizer"] = {"type": {"adamw": "AdamW", "sgd": "SGD"}[default.name], "params": params}
     return out
 
 
-def deepspeed_text(case: Case) -> str:
-    return json.dumps(deepspeed_document(case), indent=2) + "\n"
+def deepspeed_text(case: Case, *, on_gpu: bool) -> str:
+    return json.dumps(deepspeed_document(case, on_gpu=on_gpu), indent=2) + "\n"

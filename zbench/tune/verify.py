@@ -12,6 +12,7 @@ one ``zbench calibrate`` wrote on this host, for this device.
 
 from __future__ import annotations
 
+import math
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,16 @@ def this_device() -> str:
     import torch
 
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def check_verifiable(profile: Cluster, gpus: int, nvme_dir: Path | None) -> None:
+    """One line, unless the chosen setups can run here: a profile calibrated here, as many ranks as this machine
+    has for ``gpus``, an NVMe directory that exists."""
+    check_this_machine(profile)
+    device = "cuda" if this_device() != "cpu" else "cpu"
+    preflight.check_world_sizes(device, [gpus], "--verify")
+    if nvme_dir is not None and not nvme_dir.is_dir():
+        raise UsageError(f"--nvme-dir {nvme_dir}: not a directory")
 
 
 def check_this_machine(profile: Cluster) -> None:
@@ -115,7 +126,7 @@ def verify(
     device = "cuda" if this_device() != "cpu" else "cpu"
     document = emit.suite_document(
         q, [c.case for c in chosen], device=device, steps=steps, warmup_steps=min(3, steps - 1),
-        paired_rounds=paired_rounds, **({"nvme_dir": nvme_dir} if nvme_dir else {}),
+        paired_rounds=paired_rounds, fp32_probe=False, **({"nvme_dir": nvme_dir} if nvme_dir else {}),
     )  # fmt: skip
     suite_file = suite_config.from_flags(suite_config.from_dict(document, source="the verification suite"))
     suite = preflight.prepare(suite_file)
@@ -132,6 +143,8 @@ def _same_setup(case: Case, c: Candidate) -> bool:
     want = c.case
     return (
         not case.noise_twin
+        and case.precision == want.precision
+        and case.options == want.options
         and case.implementation == want.implementation
         and case.stage == want.stage
         and case.offload == want.offload
@@ -155,7 +168,7 @@ def compare(chosen: list[Candidate], result: RunResult) -> Verification:
             _measured(row, record, result.records)
         rows.append(row)
     ran = [r for r in rows if r.measured_tokens_per_s_per_gpu is not None]
-    tau = None
+    tau: float | None = None
     notes = []
     if len(ran) >= 2:
         tau = float(
@@ -163,6 +176,9 @@ def compare(chosen: list[Candidate], result: RunResult) -> Verification:
                 [r.predicted_tokens_per_s_per_gpu for r in ran], [r.measured_tokens_per_s_per_gpu for r in ran]
             ).statistic
         )
+        if math.isnan(tau):  # every prediction (or measurement) alike: no order to compare
+            tau = None
+            notes.append("the predictions (or the measurements) are all equal: no order to compare")
     if len(ran) < len(rows):
         notes.append(f"{len(rows) - len(ran)} of {len(rows)} setups have no measured step time; the orders compare "
                      "the rest")  # fmt: skip
