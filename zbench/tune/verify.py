@@ -46,8 +46,7 @@ def check_verifiable(profile: Cluster, gpus: int, nvme_dir: Path | None) -> None
     """One line, unless the chosen setups can run here: a profile calibrated here, as many ranks as this machine
     has for ``gpus``, an NVMe directory that exists."""
     check_this_machine(profile)
-    device = "cuda" if this_device() != "cpu" else "cpu"
-    preflight.check_world_sizes(device, [gpus], "--verify")
+    preflight.check_world_sizes(preflight.resolve_device("auto"), [gpus], "--verify")
     if nvme_dir is not None and not nvme_dir.is_dir():
         raise UsageError(f"--nvme-dir {nvme_dir}: not a directory")
 
@@ -123,10 +122,10 @@ def verify(
 ) -> tuple[Verification, RunResult]:
     """Train ``chosen`` (ranked, best first) as a suite, store it as any run, and compare with the prediction;
     ``search_document`` (what tune searched, pruned and predicted) is kept beside the run for its report page."""
-    device = "cuda" if this_device() != "cpu" else "cpu"
     document = emit.suite_document(
-        q, [c.case for c in chosen], device=device, steps=steps, warmup_steps=min(3, steps - 1),
-        paired_rounds=paired_rounds, fp32_probe=False, **({"nvme_dir": nvme_dir} if nvme_dir else {}),
+        q, [c.case for c in chosen], device=preflight.resolve_device("auto"), steps=steps,
+        warmup_steps=min(3, steps - 1), paired_rounds=paired_rounds, fp32_probe=False,
+        **({"nvme_dir": nvme_dir} if nvme_dir else {}),
     )  # fmt: skip
     suite_file = suite_config.from_flags(suite_config.from_dict(document, source="the verification suite"))
     suite = preflight.prepare(suite_file)
@@ -210,7 +209,7 @@ def _measured(row: Verified, record: CaseRecord, records: list[CaseRecord]) -> N
     if record.memory is not None:
         row.measured_peak_bytes = record.memory.peak_bytes
         row.memory_kind = record.memory.kind
-    row.ratio_to_ddp = record.summary_row().ratio_to_ddp
+    row.ratio_to_ddp = record.ratio_to_ddp
     row.equivalent = record.equivalent
     if record.status == "oom":
         row.tune_error = "predicted to fit, ran out of memory"
