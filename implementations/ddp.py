@@ -17,8 +17,20 @@ from zbench.implementations._common import (
     may_leave_unused,
     maybe,
 )
-from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, TrainSpec
+from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, TrainSpec, Tunable
 from zbench.state_bytes import module_state_bytes
+
+#: DDP's gradient bucket cap (torch's default), MiB: the one option the adapter reads (``bucket_mb``).
+DEFAULT_BUCKET_MB = 25.0
+
+
+def bucket_mb(spec: TrainSpec) -> float:
+    """The suite's ``options: {bucket_mb: ...}`` (torch's ``bucket_cap_mb``), checked; other options are ignored, as
+    a suite may give every implementation the same ``options``."""
+    value = spec.options.get("bucket_mb", DEFAULT_BUCKET_MB)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"ddp option bucket_mb must be a number > 0, got {value!r}")
+    return float(value)
 
 
 class DDPEngine(EngineBase):
@@ -38,6 +50,7 @@ class DDPEngine(EngineBase):
             process_group=group,
             device_ids=device_ids,
             find_unused_parameters=may_leave_unused(model) and not tracing,
+            bucket_cap_mb=bucket_mb(spec),
         )
         self.optimizer = spec.make_optimizer(model.parameters())
         self.scaler = grad_scaler(spec)
@@ -74,7 +87,16 @@ class DDPEngine(EngineBase):
 
 class DDP(ImplementationBase):
     name = "ddp"
-    capabilities = Capabilities(stages=frozenset({0}), precisions=frozenset({"fp32", "bf16", "fp16"}))
+    capabilities = Capabilities(
+        stages=frozenset({0}),
+        precisions=frozenset({"fp32", "bf16", "fp16"}),
+        tunables=(
+            Tunable(
+                "bucket_mb", (DEFAULT_BUCKET_MB, 5.0, 100.0),
+                trades="fewer, larger all-reduces (less latency) against a larger last bucket nothing hides",
+            ),
+        ),
+    )  # fmt: skip
 
     def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> DDPEngine:
         return DDPEngine(model, spec, group)

@@ -11,7 +11,7 @@ import yaml
 
 from zbench.plan.calibrate.collectives import OPS, ledger_bytes
 from zbench.plan.calibrate.fit import FitError, crossing_bytes, fit_alpha_beta, hops
-from zbench.plan.calibrate.overheads import PROBED
+from zbench.plan.calibrate.overheads import probed
 from zbench.plan.simulate.calibration import overhead_key
 from zbench.plan.simulate.cluster import SCHEMA_VERSION, ClusterError, built_in_names, load
 
@@ -230,7 +230,7 @@ def test_calibrate_writes_a_profile_the_simulator_takes(cli, tmp_path):
     assert profile.peak_tflops == pytest.approx(max(p.tflops for p in cal.matmul), rel=1e-3)
     assert profile.gpus_per_node == 3 and profile.overlap == 0.0
     assert cal.mapped_gb_s is not None and cal.mapped_gb_s > 0  # a CPU rank's fresh pages, measured
-    assert set(cal.overheads) == {overhead_key(i, s) for i, s in PROBED}  # each built-in's host work, fitted
+    assert set(cal.overheads) == {overhead_key(i, s) for i, s in probed()}  # each built-in's host work, fitted
     assert all(len(o.residuals_us) == 2 for o in cal.overheads.values())
     r = cli("plan", "--simulate", str(out), "--model", "tiny", "-i", "ddp", "-o", "none", "--gpus", "2", "--json")
     assert r.returncode == 0, r.stderr

@@ -104,6 +104,25 @@ def root_held(model: nn.Module, blocks: Iterable[nn.Module]) -> set[int]:
 
 
 @dataclass(frozen=True)
+class Tunable:
+    """An option of ``TrainSpec.options`` that ``zbench tune`` searches: the values worth trying, the default first."""
+
+    option: str
+    values: tuple[Any, ...]
+    """The values tried, the implementation's default first (what a setup without the option runs)."""
+    stages: frozenset[int] = frozenset({0, 1, 2, 3})
+    """The stages at which the option changes anything (stage 3's prefetch means nothing at stage 2)."""
+    serialized_at: tuple[Any, ...] = ()
+    """Values at which the implementation waits for each forward and backward collective as it issues it, so that
+    no compute hides it (a ZeRO-3 prefetch of 0): the step model then charges them all as exposed."""
+    trades: str = ""
+    """What the option trades, in a few words, for ``zbench tune``'s answer."""
+
+    def applies(self, stage: int) -> bool:
+        return stage in self.stages
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What an implementation can run; the suite expander skips everything else with a reason."""
 
@@ -143,6 +162,8 @@ class Capabilities:
     """True when it splits each parameter by rows across the ranks (DTensor's ``Shard(0)``: FSDP2), so the first
     rank holds ``ModelShape.row_shard_elements`` of every sharded category, up to a row per parameter more than
     ``Ψ / N``; False for a flat, evenly split buffer (ZeRO, FSDP1)."""
+    tunables: tuple[Tunable, ...] = ()
+    """The options ``zbench tune`` searches for it (``Tunable``); none: it searches only the case's axes."""
 
     def why_unsupported(
         self,

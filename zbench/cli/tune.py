@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -85,7 +86,15 @@ TuneOptionOpt = Annotated[
         metavar="KEY=VALUE",
         help="An implementation option, as a suite's `options:` (repeatable; VALUE read as YAML), given to every "
         "searched implementation that takes it; e.g. nvme_chunk_mb=256 for the reference engine's NVMe sub-groups "
-        "at 70B (its 1 MiB default takes minutes per trace there). Options are not searched yet.",
+        "at 70B (its 1 MiB default takes minutes per trace there). An option given here is not searched.",
+    ),
+]
+SearchOptionsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--search-options/--no-search-options",
+        help="Search the options each implementation declares (bucket size, prefetch) on the fastest setups and "
+        "each implementation's best, one option at a time from its default.",
     ),
 ]
 TopOpt = Annotated[int, typer.Option(help="Setups shown in the ranking.")]
@@ -163,6 +172,7 @@ def tune(
     offload: TuneOffloadOpt = None,
     checkpointing: CheckpointingChoice = "both",
     option: TuneOptionOpt = None,
+    search_options: SearchOptionsOpt = True,
     reserve: TuneReserveOpt = DEFAULT_RESERVE,
     top: TopOpt = 10,
     fresh: FreshOpt = False,
@@ -193,11 +203,11 @@ def tune(
     nvme_dir = nvme_dir.resolve() if nvme_dir else None  # the suite is run from anywhere
     _check_verify(verify, verify_steps, paired_rounds, profile, gpus, nvme_dir)  # before minutes of tracing, not after
     limits = _limits(profile, gpu_memory, host_memory, disk, reserve)
-    ranked, left_out = _searched(question, profile, limits, fresh=fresh, whole=whole)
+    ranked, notes = _searched(question, profile, limits, fresh=fresh, whole=whole, options=search_options)
     elapsed = time.perf_counter() - started
-    document = _document(question, profile, limits, ranked, left_out, elapsed)
+    document = _document(question, profile, limits, ranked, notes, elapsed)
     if not as_json:
-        _print_answer(question, profile, limits, ranked, left_out, top, elapsed)
+        _print_answer(question, profile, limits, ranked, notes, top, elapsed)
     elif not verify:
         print(json.dumps(document, indent=1))
     _emit(emit_suite, emit_deepspeed, question, profile, ranked, top, nvme_dir)
@@ -219,25 +229,37 @@ def _limits(
     )  # fmt: skip
 
 
-def _searched(q: Any, profile: Any, limits: Any, *, fresh: bool, whole: bool) -> tuple[list, list[str]]:
-    """Every setup of ``q`` traced (DeepSpeed's estimated), pruned and ranked, survivors first; and what was left
-    out, one line each. None fits: one line."""
+def _searched(q: Any, profile: Any, limits: Any, *, fresh: bool, whole: bool, options: bool) -> tuple[list, Any]:
+    """Every setup of ``q`` traced (DeepSpeed's estimated), its options searched where ``options``, pruned and
+    ranked, survivors first; and the notes: what was left out and which options were searched. None fits: one
+    line."""
     from zbench.plan.trace import plan as trace_mod
     from zbench.tune import deepspeed_estimate, search, space
+    from zbench.tune import options as tunables
     from zbench.tune.cache import TraceCache
 
     found = space.search_space(q)
     found.left_out.extend(deepspeed_estimate.left_out(q))
     if not found.cases:
         raise UsageError("nothing to search: " + "; ".join(found.left_out or ["no setup runs here"]))
-    ranked = search.search(
-        found.cases, profile, limits, cache=TraceCache(), fresh=fresh, progress=trace_mod.stderr_progress,
-        extrapolate=not whole,
-    )  # fmt: skip
+    cache = TraceCache()
+
+    def run(cases: list) -> list:
+        return search.search(
+            cases, profile, limits, cache=cache, fresh=fresh, progress=trace_mod.stderr_progress, extrapolate=not whole
+        )
+
+    ranked = run(found.cases)
+    searched = tunables.declared(q.implementations, q.options) if options else []
+    if searched:
+        trace_mod.stderr_progress("options: the fastest setups and each implementation's best, one option at a time")
+        found_options = tunables.search_options(ranked, q.options, run)
+        ranked = search.ranked(ranked + found_options.kept)
+        searched.append(found_options.summary)
     ranked = search.ranked(ranked + deepspeed_estimate.estimate(q, ranked, profile, limits))
     if ranked[0].pruned is not None:  # the survivors come first
         raise UsageError(_nothing_fits(ranked, limits))
-    return ranked, found.left_out
+    return ranked, Notes(found.left_out, searched)
 
 
 def _question(
@@ -329,9 +351,15 @@ def _gib(nbytes: float) -> str:
     return fmt_bytes(nbytes)
 
 
-def _print_answer(
-    q: Any, profile: Any, limits: Any, ranked: list, left_out: list[str], top: int, elapsed: float
-) -> None:
+@dataclass(frozen=True)
+class Notes:
+    """What the answer says besides its rows: what the search left out, and the options it searched."""
+
+    left_out: list[str]
+    options_searched: list[str]
+
+
+def _print_answer(q: Any, profile: Any, limits: Any, ranked: list, notes: Notes, top: int, elapsed: float) -> None:
     from zbench.plan.simulate.sweep import MEASURED_ERROR
     from zbench.tune.extrapolate import DEPTHS
     from zbench.tune.search import best_per_implementation, what_separates
@@ -368,7 +396,7 @@ def _print_answer(
     lines += [f"  pruned {c.name}: {c.pruned}" for c in pruned[:5]]
     if len(pruned) > 5:
         lines.append(f"  ... and {len(pruned) - 5} more (--json lists every one)")
-    lines += left_out
+    lines += notes.left_out + notes.options_searched
     if cut := sum(c.extrapolated for c in ranked):
         lines.append(
             f"{cut} setups traced as {q.model} cut to {' and '.join(map(str, DEPTHS))} blocks and extrapolated over "
@@ -393,7 +421,7 @@ def _rate(c: Any) -> float:
     return float(c.estimate.tokens_per_s_per_gpu)
 
 
-def _document(q: Any, profile: Any, limits: Any, ranked: list, left_out: list[str], elapsed: float) -> dict[str, Any]:
+def _document(q: Any, profile: Any, limits: Any, ranked: list, notes: Notes, elapsed: float) -> dict[str, Any]:
     from dataclasses import asdict
 
     from zbench.plan.simulate.sweep import MEASURED_ERROR
@@ -403,7 +431,8 @@ def _document(q: Any, profile: Any, limits: Any, ranked: list, left_out: list[st
         return {
             "name": c.name, "implementation": case.implementation, "stage": case.stage, "offload": case.offload,
             "micro_batch": case.micro_batch, "grad_accum": case.grad_accum,
-            "checkpointing": case.activation_checkpointing, "cached": c.cached, "extrapolated": c.extrapolated,
+            "checkpointing": case.activation_checkpointing, "options": case.options, "cached": c.cached,
+            "extrapolated": c.extrapolated,
             "estimated_from": c.estimated_from,
             "needs": asdict(c.needs) if c.needs else None, "pruned": c.pruned,
             "estimate": c.estimate.to_json() if c.estimate else None,
@@ -417,7 +446,8 @@ def _document(q: Any, profile: Any, limits: Any, ranked: list, left_out: list[st
         "measured_error": MEASURED_ERROR[profile.compute_model()],
         "ranked": [setup(c) for c in ranked if c.pruned is None],
         "pruned": [setup(c) for c in ranked if c.pruned is not None],
-        "left_out": left_out,
+        "left_out": notes.left_out,
+        "options_searched": notes.options_searched,
         "seconds": round(elapsed, 1),
     }
 

@@ -92,7 +92,9 @@ def _runs_precision(name: str, precision: str, left_out: list[str]) -> bool:
 
 
 def describe(case: Case) -> str:
-    """One setup in a few words: ``zero3 (stage 3) + offload optimizer, micro-batch 4 x 2, checkpointing``."""
+    """One setup in a few words: ``zero3 (stage 3) + offload optimizer, micro-batch 4 x 2, checkpointing, prefetch 0``
+    (an option only where the setup sets one)."""
     accum = f" x {case.grad_accum}" if case.grad_accum > 1 else ""
     ckpt = ", checkpointing" if case.activation_checkpointing else ""
-    return f"{case_name(case)}, micro-batch {case.micro_batch}{accum}{ckpt}"
+    options = "".join(f", {k} {v:g}" if isinstance(v, float) else f", {k} {v}" for k, v in sorted(case.options.items()))
+    return f"{case_name(case)}, micro-batch {case.micro_batch}{accum}{ckpt}{options}"

@@ -24,7 +24,7 @@ and 3Ψ), so one trace serves every world size of a sweep. The model (docs/metho
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from zbench.plan.simulate.cluster import Cluster
@@ -81,6 +81,20 @@ class StepEstimate:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def with_host_work(self, seconds: float) -> StepEstimate:
+        """The same step with ``seconds`` more host work after backward (negative: less), exposed as all host
+        work is: another implementation's calibrated overhead in place of this one's."""
+        step = max(self.step_s + seconds, 1e-12)
+        compute = max(self.compute_s + seconds, 1e-12)
+        return replace(
+            self,
+            compute_s=compute,
+            step_s=step,
+            tokens_per_s_per_gpu=self.tokens_per_s_per_gpu * self.step_s / step,
+            mfu=self.mfu * self.step_s / step,
+            comm_to_compute=self.comm_s / compute,
+        )
+
 
 def offload_seconds(*, params: int, world: int, stage: int, offload: str, cluster: Cluster) -> float:
     """PCIe copies, NVMe reads and writes and the host optimizer step per step, from the offload placement."""
@@ -119,10 +133,13 @@ def estimate(
     checkpointing: bool,
     tokens_per_step: int,
     phase_compute: dict[str, float] | None = None,
+    serialized: bool = False,
 ) -> StepEstimate:
     """One rank's step at ``world`` ranks; ``flops_per_step`` and ``tokens_per_step`` are one rank's.
 
-    ``phase_compute`` (seconds per phase from the traced operators) replaces the FLOPs-over-peak compute."""
+    ``phase_compute`` (seconds per phase from the traced operators) replaces the FLOPs-over-peak compute.
+    ``serialized``: the implementation waits for each collective as it issues it (``Tunable.serialized_at``), so
+    none is hidden."""
     if phase_compute is not None:
         forward, backward = phase_compute.get("forward", 0.0), phase_compute.get("backward", 0.0)
         after = phase_compute.get("after_backward", 0.0)
@@ -137,8 +154,9 @@ def estimate(
         for phase, ops in phases.items()
     }
     calls = {phase: sum(e["count"] for e in ops.values()) for phase, ops in phases.items()}
-    exposed_f, hid_f = _exposed(per_phase.get("forward", 0.0), calls.get("forward", 0), forward, cluster.overlap)
-    exposed_b, hid_b = _exposed(per_phase.get("backward", 0.0), calls.get("backward", 0), backward, cluster.overlap)
+    overlap = 0.0 if serialized else cluster.overlap
+    exposed_f, hid_f = _exposed(per_phase.get("forward", 0.0), calls.get("forward", 0), forward, overlap)
+    exposed_b, hid_b = _exposed(per_phase.get("backward", 0.0), calls.get("backward", 0), backward, overlap)
     exposed = exposed_f + exposed_b + per_phase.get("after_backward", 0.0)
     off = offload_seconds(params=params, world=world, stage=stage, offload=offload, cluster=cluster)
     step = compute + exposed + off

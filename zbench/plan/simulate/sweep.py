@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from zbench.cases.case import Case
 from zbench.cases.model_source import model_info
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.compute import case_phase_seconds
@@ -82,6 +83,17 @@ def estimate_row(
         checkpointing=case.activation_checkpointing,
         tokens_per_step=tokens,
         phase_compute=phase_compute if phase_compute is not None else operator_compute(row, cluster, world),
+        serialized=serialized(case),
+    )
+
+
+def serialized(case: Case) -> bool:
+    """Whether ``case``'s options make its implementation wait for each collective as it issues it
+    (``Tunable.serialized_at``: a ZeRO-3 prefetch of 0)."""
+    caps = case.capabilities
+    return caps is not None and any(
+        t.applies(case.stage) and t.option in case.options and case.options[t.option] in t.serialized_at
+        for t in caps.tunables
     )
 
 

@@ -1,0 +1,106 @@
+"""``zbench tune``'s second pass: the options each implementation declares worth searching (``Tunable``: our
+engines' bucket size and prefetch, DDP's bucket size), tried on the setups that can win.
+
+Every option value times every setup of the first pass would multiply its traces by the options' values, so the
+search is local: the top setups and each implementation's best, each with one option at a time moved off its
+default (a coordinate step from the default, as DeepSpeed's autotuner tunes one knob after the stage and
+micro-batch). Each variant is traced from the real code like any setup (its memory, its collectives: a smaller
+bucket is more, smaller reduce-scatters) and pruned and ranked with the rest. An option the user fixed with
+``--option`` is not searched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from zbench.cases import registry
+from zbench.cases.case import Case
+from zbench.tune.search import Candidate, best_per_implementation
+
+#: How many of the first pass's fastest setups get their options searched, besides each implementation's best.
+SEEDS = 3
+
+
+def variants(case: Case, fixed: Mapping[str, object]) -> list[Case]:
+    """``case`` with each declared option that applies at its stage set, one at a time, to each of its other
+    values; none for an option in ``fixed`` (the user's ``--option``)."""
+    out = []
+    for tunable in registry.resolve(case.implementation).capabilities.tunables:
+        if not tunable.applies(case.stage) or tunable.option in fixed:
+            continue
+        for value in tunable.values[1:]:
+            out.append(case.model_copy(update={"options": {**case.options, tunable.option: value}}))
+    return out
+
+
+def seeds(ranked: list[Candidate], count: int = SEEDS) -> list[Candidate]:
+    """The setups whose options are searched: the ``count`` fastest and each implementation's best (traced ones:
+    an estimate has no options of its own to move)."""
+    traced = [c for c in ranked if c.estimated_from is None]
+    chosen = [c for c in traced if c.pruned is None][:count] + best_per_implementation(traced)
+    return list({id(c): c for c in chosen}.values())
+
+
+def declared(implementations: tuple[str, ...], fixed: Mapping[str, object]) -> list[str]:
+    """One line per implementation whose options are searched: what, over which values, and what each trades."""
+    lines = []
+    for name in implementations:
+        caps = registry.resolve(name).capabilities
+        for t in caps.tunables:
+            if t.option not in fixed and t.stages & caps.stages:
+                values = ", ".join(str(v) for v in t.values)
+                lines.append(f"{name}: option {t.option} searched over {values} (default {t.values[0]}): {t.trades}")
+    return lines
+
+
+#: How much faster or leaner than the setup it varies a variant must be to be kept (below: a tie, the default wins).
+MARGIN = 1e-3
+
+
+@dataclass
+class OptionSearch:
+    """What the option search found: the variants kept, and a line saying what it tried and dropped."""
+
+    kept: list[Candidate]
+    summary: str
+
+
+def search_options(
+    ranked: list[Candidate], fixed: Mapping[str, object], run: Callable[[list[Case]], list[Candidate]]
+) -> OptionSearch:
+    """The variants of ``seeds(ranked)``, each searched by ``run`` (``zbench.tune.search.search`` with the
+    question's cluster, limits and cache). A variant is kept where it is predicted faster than the setup it
+    varies, or fits in less GPU memory; one that fits nowhere, or changes neither (a bucket larger than every
+    gradient of a small model), is dropped and counted, so that the ranking is not filled with ties."""
+    seen = {_key(c.case) for c in ranked}
+    pairs: list[tuple[Candidate, Case]] = []
+    for seed in seeds(ranked):
+        for case in variants(seed.case, fixed):
+            if _key(case) not in seen:
+                seen.add(_key(case))
+                pairs.append((seed, case))
+    if not pairs:
+        return OptionSearch([], "options: nothing to vary")
+    found = {_key(c.case): c for c in run([case for _, case in pairs])}
+    kept = [found[_key(case)] for seed, case in pairs if _better(found[_key(case)], seed)]
+    setups = len({id(seed) for seed, _ in pairs})
+    summary = (
+        f"options: {len(pairs)} variants of {setups} setups traced; {len(kept)} kept (faster or leaner than the setup "
+        f"they vary), {len(pairs) - len(kept)} dropped (no faster and no leaner, or not fitting)"
+    )
+    return OptionSearch(kept, summary)
+
+
+def _better(variant: Candidate, seed: Candidate) -> bool:
+    if variant.pruned is not None or variant.estimate is None or variant.needs is None:
+        return False
+    assert seed.estimate is not None and seed.needs is not None  # a seed is a survivor
+    faster = variant.estimate.tokens_per_s_per_gpu > seed.estimate.tokens_per_s_per_gpu * (1 + MARGIN)
+    return faster or variant.needs.gpu < seed.needs.gpu * (1 - MARGIN)
+
+
+def _key(case: Case) -> tuple:
+    """What tells two searched setups apart (a case id names neither the batch nor the options)."""
+    return (case.case_id, case.micro_batch, case.grad_accum, case.activation_checkpointing,
+            repr(sorted(case.options.items())))  # fmt: skip
