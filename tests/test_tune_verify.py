@@ -48,7 +48,10 @@ def test_verify_runs_the_top_setups_and_reports_predicted_against_measured(verif
     assert all(row["status"] == "ok" and row["equivalent"] and row["measured_tokens_per_s_per_gpu"] for row in rows)
     best = max(rows, key=lambda row: row["measured_tokens_per_s_per_gpu"])
     assert stored["verification"]["measured_best_rank"] == best["rank"]
-    assert len(stored["search"]["ranked"]) == 6  # ddp, zero2, zero3 at micro-batch 1 and 2
+    searched = stored["search"]["ranked"]
+    assert len([s for s in searched if not s["options"]]) == 6  # ddp, zero2, zero3 at micro-batch 1 and 2...
+    assert any("options:" in line for line in stored["search"]["options_searched"])  # ...and the kept variants
+    assert all(set(s["options"]) <= {"bucket_mb", "prefetch"} for s in searched)  # only declared options vary
     page = (out / "report" / "tune.html").read_text()
     assert "Predicted against measured" in page and rows[0]["name"] in page and "Pruned, and why" in page
     assert 'href="tune.html"' in (out / "report" / "index.html").read_text()
