@@ -526,3 +526,28 @@ def test_the_option_search_varies_every_seed_and_keeps_only_a_faster_or_leaner_v
     assert sorted(asked) == sorted(planted)
     assert sorted((c.case.micro_batch, c.case.options["prefetch"]) for c in found.kept) == [(1, 2), (2, 0)]
     assert "4 variants of 2 setups traced; 2 kept" in found.summary and "2 dropped" in found.summary
+
+
+def test_setups_the_paired_rounds_cannot_tell_apart_are_level_and_a_clear_gap_is_not():
+    """Planted paired ratios (a setup's step over DDP's, round by round): noise around the best's is level with
+    it, a setup 30% slower in every round is told apart, one with a single round is not compared; the verdict
+    counts a level setup in the predicted top two."""
+    import random
+
+    from zbench.tune.verify import Verification, level_with
+
+    rng = random.Random(0)
+    best = [1.0] * 10  # the DDP reference: the yardstick, 1 in each round
+    samples = {
+        2: best,
+        1: [1.0 + rng.gauss(0, 0.04) for _ in range(10)],  # noise around the best: level
+        3: [1.3 + rng.gauss(0, 0.04) for _ in range(10)],  # 30% slower: told apart
+        4: [1.0],  # one round: not compared
+    }
+    assert level_with(2, [1, 3, 4], samples) == [1]
+    v = Verification(run_id="r", run_path="p", rows=[], kendall_tau=0.0, measured_best_rank=4, level_with_best=[2])
+    assert v.best_in_top_two is False and v.a_best_in_top_two is True
+    assert (
+        Verification(run_id="r", run_path="p", rows=[], kendall_tau=0.0, measured_best_rank=4).a_best_in_top_two
+        is False
+    )

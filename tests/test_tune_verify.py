@@ -54,6 +54,7 @@ def test_verify_runs_the_top_setups_and_reports_predicted_against_measured(verif
     assert all(set(s["options"]) <= {"bucket_mb", "prefetch"} for s in searched)  # only declared options vary
     page = (out / "report" / "tune.html").read_text()
     assert "Predicted against measured" in page and rows[0]["name"] in page and "Pruned, and why" in page
+    assert "Options searched" in page and "zero3: option prefetch" in page
     assert 'href="tune.html"' in (out / "report" / "index.html").read_text()
 
 
@@ -87,6 +88,10 @@ def test_the_order_is_read_right_from_planted_predictions_and_an_oom_is_a_tune_e
 
     right = compare(chosen(measured), RunResult(run, records))
     assert right.kendall_tau == pytest.approx(1.0) and right.measured_best_rank == 1
+    assert "within 2.0% of each other" in right.notes[0]  # 100, 99, 98: inside the model's error, and said so
+    wide = [Candidate(c.case, estimate=SimpleNamespace(tokens_per_s_per_gpu=100.0 / (i + 1)), needs=c.needs)
+            for i, c in enumerate(chosen(measured))]  # fmt: skip
+    assert not compare(wide, RunResult(run, records)).notes  # 100, 50, 33: an order the model can tell
     wrong = compare(chosen(measured[::-1]), RunResult(run, records))
     assert wrong.kendall_tau == pytest.approx(-1.0) and wrong.measured_best_rank == len(measured)
     level = [Candidate(r.config, estimate=SimpleNamespace(tokens_per_s_per_gpu=1.0), needs=SimpleNamespace(gpu=1.0))

@@ -113,8 +113,9 @@ class Tunable:
     stages: frozenset[int] = frozenset({0, 1, 2, 3})
     """The stages at which the option changes anything (stage 3's prefetch means nothing at stage 2)."""
     serialized_at: tuple[Any, ...] = ()
-    """Values at which the implementation waits for each forward and backward collective as it issues it, so that
-    no compute hides it (a ZeRO-3 prefetch of 0): the step model then charges them all as exposed."""
+    """Values at which the implementation waits for its gathers as it issues them, so that no compute hides them (a
+    ZeRO-3 prefetch of 0): the step model then charges every forward and backward collective as exposed, its
+    reduce-scatters too (which may still overlap: a bound, not an estimate)."""
     trades: str = ""
     """What the option trades, in a few words, for ``zbench tune``'s answer."""
 

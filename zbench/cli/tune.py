@@ -555,6 +555,11 @@ def _print_verification(v: Any) -> None:
     out.print(table)
     tau = "-" if v.kendall_tau is None else f"{v.kendall_tau:.2f}"
     best = "-" if v.measured_best_rank is None else f"predicted #{v.measured_best_rank}"
+    if v.level_with_best:
+        from zbench.tune.verify import LEVEL_P
+
+        level = ", ".join(f"#{rank}" for rank in v.level_with_best)
+        best += f" (measured level with {level}: Mann-Whitney p >= {LEVEL_P} on the paired ratios)"
     out.print(Text(f"Kendall tau, predicted against measured order: {tau}; the measured best was {best}"))
     for note in v.notes:
         out.print(Text(note))

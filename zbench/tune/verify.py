@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scipy.stats import kendalltau
+from scipy.stats import kendalltau, mannwhitneyu
 
 from zbench.atomic import atomic_write_json
 from zbench.cases.case import Case
 from zbench.errors import UsageError
 from zbench.plan.simulate.cluster import Cluster
+from zbench.plan.simulate.sweep import CALIBRATED_RATIO_ERROR
 from zbench.report.tune_page import TUNE_FILE
 from zbench.results.record import CaseRecord
 from zbench.run.console import Progress
@@ -97,16 +98,23 @@ class Verification:
     kendall_tau: float | None
     measured_best_rank: int | None
     """The predicted rank of the setup that measured fastest."""
+    level_with_best: list[int] = field(default_factory=list)
+    """The predicted ranks of the setups the measurement cannot tell from the fastest (``level_with``)."""
     notes: list[str] = field(default_factory=list)
 
     @property
     def best_in_top_two(self) -> bool | None:
         return None if self.measured_best_rank is None else self.measured_best_rank <= 2
 
+    @property
+    def a_best_in_top_two(self) -> bool | None:
+        """The fastest, or a setup measured level with it, was predicted in the top two."""
+        return None if self.measured_best_rank is None else min([self.measured_best_rank, *self.level_with_best]) <= 2
+
     def to_json(self) -> dict[str, Any]:
         from dataclasses import asdict
 
-        return {**asdict(self), "best_in_top_two": self.best_in_top_two}
+        return {**asdict(self), "best_in_top_two": self.best_in_top_two, "a_best_in_top_two": self.a_best_in_top_two}
 
 
 def verify(
@@ -156,6 +164,7 @@ def _same_setup(case: Case, c: Candidate) -> bool:
 def compare(chosen: list[Candidate], result: RunResult) -> Verification:
     """Each chosen setup's record read against its prediction; the orders compared over the setups that ran."""
     rows = []
+    samples: dict[int, list[float]] = {}
     for rank, c in enumerate(chosen, 1):
         record = next((r for r in result.records if _same_setup(r.config, c)), None)
         assert c.estimate is not None and c.needs is not None  # chosen setups are ranked survivors
@@ -165,6 +174,7 @@ def compare(chosen: list[Candidate], result: RunResult) -> Verification:
         )  # fmt: skip
         if record is not None:
             _measured(row, record, result.records)
+            samples[rank] = paired_ratios(record)
         rows.append(row)
     ran = [r for r in rows if r.measured_tokens_per_s_per_gpu is not None]
     tau: float | None = None
@@ -178,14 +188,48 @@ def compare(chosen: list[Candidate], result: RunResult) -> Verification:
         if math.isnan(tau):  # every prediction (or measurement) alike: no order to compare
             tau = None
             notes.append("the predictions (or the measurements) are all equal: no order to compare")
+    predicted = [r.predicted_tokens_per_s_per_gpu for r in ran]
+    if len(ran) >= 2 and (spread := max(predicted) / min(predicted) - 1) < CALIBRATED_RATIO_ERROR:
+        notes.append(
+            f"the predictions lie within {spread:.1%} of each other, inside the step model's median error on a "
+            f"ratio to DDP ({CALIBRATED_RATIO_ERROR:.1%} on calibrated CPU profiles): an order this close is a guess, "
+            "and tau with it"
+        )
     if len(ran) < len(rows):
         notes.append(f"{len(rows) - len(ran)} of {len(rows)} setups have no measured step time; the orders compare "
                      "the rest")  # fmt: skip
     best = max(ran, key=lambda r: r.measured_tokens_per_s_per_gpu or 0.0, default=None)
+    level = [] if best is None else level_with(best.rank, [r.rank for r in ran if r is not best], samples)
     return Verification(
         run_id=result.run.run_id, run_path=str(result.run.path), rows=rows, kendall_tau=tau,
-        measured_best_rank=best.rank if best else None, notes=notes,
+        measured_best_rank=best.rank if best else None, level_with_best=level, notes=notes,
     )  # fmt: skip
+
+
+#: The significance below which two setups' paired ratios are told apart (two-sided Mann-Whitney U).
+LEVEL_P = 0.05
+
+
+def paired_ratios(record: CaseRecord) -> list[float]:
+    """A setup's step over DDP's, round by round; the DDP reference's own, 1 in each round (the yardstick)."""
+    if record.paired is not None and record.paired.ratios:
+        return record.paired.ratios
+    is_reference = record.equivalence is not None and record.equivalence.reference_case == record.case_id
+    return [1.0] * record.config.paired_rounds if is_reference else []
+
+
+def level_with(best: int, others: list[int], samples: dict[int, list[float]]) -> list[int]:
+    """Of ``others``, the setups whose paired ratios a two-sided Mann-Whitney U test cannot tell from ``best``'s
+    (p >= ``LEVEL_P``): the measurement does not say which of them is faster. A setup with fewer than two rounds
+    is not compared (neither level nor told apart)."""
+    if len(samples.get(best, [])) < 2:
+        return []
+    level = []
+    for rank in others:
+        theirs = samples.get(rank, [])
+        if len(theirs) >= 2 and mannwhitneyu(samples[best], theirs, alternative="two-sided").pvalue >= LEVEL_P:
+            level.append(rank)
+    return level
 
 
 def measured_rate(record: CaseRecord, records: list[CaseRecord]) -> float | None:

@@ -17,10 +17,13 @@ DEFAULT_SCALES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 #: What each compute model's predictions (``Cluster.compute_model``) measured against runs they were not fitted
 #: to, shown beside them (docs/methods.md#simulation; each figure with its date, machines and data file).
+#: The step model's median error on a setup's step-time ratio to DDP's, on a calibrated CPU profile (below).
+CALIBRATED_RATIO_ERROR = 0.061
+
 MEASURED_ERROR = {
     "calibrated": "measured error on a calibrated CPU profile: step time median 18%, worst 53%; ratio to DDP "
-    "median 6.1%, worst 26% (42 runs, tiny to medium, worlds 1-2, the 2-core CPU machine, 2026-11-27; "
-    "docs/data/validate_simulator_repeats.json)",
+    f"median {CALIBRATED_RATIO_ERROR:.1%}, worst 26% (42 runs, tiny to medium, worlds 1-2, the 2-core CPU machine, "
+    "2026-11-27; docs/data/validate_simulator_repeats.json)",
     "datasheet": "measured error on datasheet operator rates: all 46 published FSDP runs (torchtitan, fms-fsdp, "
     "llm-foundry; 8-512 A100/H100) ran slower than predicted, by 7-45% (median 29%; 2026-11-27, "
     "docs/data/validate_published.json): read tokens/s as an upper bound",
