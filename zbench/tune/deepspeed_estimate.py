@@ -8,8 +8,8 @@ traced model states:
 - host need: DeepSpeed's host-held states (its CPU offload) for every rank of a node;
 - step time: the stand-in's prediction, with DeepSpeed's own host work in place of the stand-in's where the
   profile's calibration measured both (``zbench calibrate`` probes DeepSpeed where it is installed: on 2 CPU
-  cores its step costs 1.3-2.5x the reference engine's beyond the same operators); DeepSpeed's own bucketing
-  and overlap are not modelled.
+  cores its host work was 1.6-2.8x the reference engine's at stages 1-2 and about 6x at stage 3); DeepSpeed's
+  own bucketing and overlap are not modelled.
 
 Every such setup is labelled "estimated" wherever it is shown.
 """
