@@ -1,0 +1,165 @@
+"""``zbench tune``'s option search (``zbench.tune.options``): each implementation's declared options moved one at a
+time on the setups that can win, traced from the real code, kept only where faster or leaner; and the verdict of
+``--verify`` reading noise (setups the paired rounds cannot tell apart). Its own module, so that pytest-xdist runs
+it beside tests/test_tune.py rather than after it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("trace-cache")
+
+
+# --- the option search: each implementation's declared options, one at a time from the default ------------------
+
+OPTIONS_BASE = ("tune", "--model", "small", "--gpus", "2", "--cluster", "h100-sxm", "-i", "ddp", "-i", "zero2",
+                "-i", "zero3", "--micro-batch", "1", "--checkpointing", "off", "--precision", "fp32", "-o", "none",
+                "--top", "30", "--json")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def with_options(cli, cache_dir):
+    """ddp, zero2 and zero3 on two H100s at `small` (whose gradients fill several buckets), options searched."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ZBENCH_CACHE_DIR", str(cache_dir))
+        r = cli(*OPTIONS_BASE)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_variants_move_one_declared_option_at_a_time_and_never_a_fixed_one():
+    from zbench.plan.trace.plan import make_case
+    from zbench.tune.options import variants
+
+    def case(name: str, stage: int, **options: object):
+        return make_case("tiny", name, stage, "none", gpus=2, precision="fp32", micro_batch=1, seq_len=32,
+                         device="cpu", checkpointing=False, options=options)  # fmt: skip
+
+    assert [v.options for v in variants(case("zero2", 2), {})] == [{"bucket_mb": x} for x in (1.0, 16.0, 64.0)]
+    assert [v.options for v in variants(case("zero3", 3), {})] == [{"prefetch": 0}, {"prefetch": 2}]  # no buckets
+    assert [v.options for v in variants(case("ddp", 0), {})] == [{"bucket_mb": 5.0}, {"bucket_mb": 100.0}]
+    assert variants(case("zero3", 3, prefetch=1), {"prefetch": 1}) == []  # the user's --option stands
+    assert variants(case("fsdp", 3), {}) == []  # declares none
+
+
+def test_the_option_search_keeps_what_is_faster_or_leaner_and_counts_the_rest(with_options):
+    ranked = with_options["ranked"]
+    defaults = {r["implementation"]: r for r in ranked if not r["options"]}
+    assert set(defaults) == {"ddp", "zero2", "zero3"}
+    lines = "\n".join(with_options["options_searched"])
+    assert "ddp: option bucket_mb" in lines and "zero2: option bucket_mb" in lines and "zero3: option prefetch" in lines
+    assert "zero3: option bucket_mb" not in lines  # declared for stages 1-2 only
+    assert "variants of 3 setups traced" in lines
+    for r in ranked:
+        if r["options"]:  # every variant kept beats the setup it varies on speed or memory
+            seed = defaults[r["implementation"]]
+            faster = r["estimate"]["tokens_per_s_per_gpu"] > seed["estimate"]["tokens_per_s_per_gpu"]
+            assert faster or r["needs"]["gpu"] < seed["needs"]["gpu"], r["name"]
+            assert ", ".join(f"{k} " for k in r["options"]).strip(", ") in r["name"]
+
+
+def test_a_prefetch_of_0_serializes_zero3s_gathers_and_holds_less(with_options):
+    """Planted by the option: zero3 waits for each gather (nothing hidden: exposed equals all its communication,
+    where the default hides all but one call per phase on an H100 profile), and holds fewer gathered blocks."""
+    ranked = with_options["ranked"]
+    default = next(r for r in ranked if r["implementation"] == "zero3" and not r["options"])
+    serial = next(r for r in ranked if r["implementation"] == "zero3" and r["options"] == {"prefetch": 0})
+    assert serial["estimate"]["exposed_comm_s"] == pytest.approx(serial["estimate"]["comm_s"])
+    assert default["estimate"]["exposed_comm_s"] < default["estimate"]["comm_s"]
+    assert serial["needs"]["gpu"] < default["needs"]["gpu"]
+
+
+def test_a_smaller_bucket_means_more_collectives_in_the_trace():
+    """The option reaches the real code: zero2 at `small` issues more reduce-scatters with 1 MiB buckets than with
+    64, and DDP more all-reduces with 5 MiB than with 100 (the simulator charges each call its latency)."""
+    from zbench.plan.trace.plan import make_case, trace_plan
+
+    def calls(name: str, stage: int, op: str, bucket: float) -> int:
+        case = make_case("small", name, stage, "none", gpus=2, precision="fp32", micro_batch=1, seq_len=32,
+                         device="cpu", checkpointing=False, options={"bucket_mb": bucket})  # fmt: skip
+        (row,) = trace_plan([case], device="cpu")
+        return sum(e["count"] for ops in row.trace.phases.values() for o, e in ops.items() if o == op)
+
+    assert calls("zero2", 2, "reduce_scatter", 1.0) > calls("zero2", 2, "reduce_scatter", 64.0) > 0
+    assert calls("ddp", 0, "all_reduce", 5.0) > calls("ddp", 0, "all_reduce", 100.0) > 0
+
+
+def test_a_fixed_option_is_not_searched_and_no_search_turns_it_off(cli, cache_dir, monkeypatch):
+    monkeypatch.setenv("ZBENCH_CACHE_DIR", str(cache_dir))
+    base = ("tune", "--model", "small", "--gpus", "2", "--cluster", "h100-sxm", "-i", "zero3", "--micro-batch", "1",
+            "--checkpointing", "off", "--precision", "fp32", "-o", "none", "--json")  # fmt: skip
+    r = cli(*base, "--option", "prefetch=1")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert all(s["options"] == {"prefetch": 1} for s in doc["ranked"] + doc["pruned"])
+    r = cli(*base, "--no-search-options")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and doc["options_searched"] == [] and all(not s["options"] for s in doc["ranked"])
+
+
+def test_the_option_search_varies_every_seed_and_keeps_only_a_faster_or_leaner_variant():
+    """Planted on candidates, no tracing: two zero3 seeds that differ only in micro-batch each get both prefetch
+    variants; a variant predicted faster is kept, one leaner is kept, a tie and one that does not fit are dropped."""
+    from zbench.plan.simulate.step import StepEstimate
+    from zbench.plan.trace.plan import make_case
+    from zbench.tune.options import search_options
+    from zbench.tune.search import Candidate, Needs
+
+    def candidate(case, rate: float, gpu: float, pruned: str | None = None) -> Candidate:
+        est = StepEstimate(world=2, compute_s=1.0, comm_s=0.0, exposed_comm_s=0.0, offload_s=0.0, step_s=1.0,
+                           tokens_per_s_per_gpu=rate, mfu=0.5, comm_to_compute=0.0, compute_model="operators",
+                           hides_gathers=True, phase_comm_s={})  # fmt: skip
+        return Candidate(case, needs=Needs(gpu=gpu, host_per_node=0.0, disk_per_node=0.0), pruned=pruned,
+                         estimate=None if pruned else est)  # fmt: skip
+
+    seeds = [
+        candidate(make_case("tiny", "zero3", 3, "none", gpus=2, precision="fp32", micro_batch=mb, seq_len=32,
+                            device="cpu", checkpointing=False), rate=100.0 * mb, gpu=10.0 * mb)
+        for mb in (2, 1)
+    ]  # fmt: skip
+    planted = {  # (micro-batch, prefetch) -> (rate, gpu, pruned)
+        (2, 0): (200.0, 15.0, None),  # leaner: kept
+        (2, 2): (200.0, 20.0, None),  # a tie: dropped
+        (1, 0): (100.0, 10.0, "GPU: over"),  # does not fit: dropped
+        (1, 2): (150.0, 12.0, None),  # faster: kept
+    }
+    asked = []
+
+    def run(cases):
+        asked.extend((c.micro_batch, c.options["prefetch"]) for c in cases)
+        return [candidate(c, *planted[(c.micro_batch, c.options["prefetch"])]) for c in cases]
+
+    found = search_options(seeds, {}, run)
+    assert sorted(asked) == sorted(planted)
+    assert sorted((c.case.micro_batch, c.case.options["prefetch"]) for c in found.kept) == [(1, 2), (2, 0)]
+    assert "4 variants of 2 setups traced; 2 kept" in found.summary and "2 dropped" in found.summary
+
+
+def test_setups_the_paired_rounds_cannot_tell_apart_are_level_and_a_clear_gap_is_not():
+    """Planted paired ratios (a setup's step over DDP's, round by round): noise around the best's is level with
+    it, a setup 30% slower in every round is told apart, one with a single round is not compared; the verdict
+    counts a level setup in the predicted top two."""
+    import random
+
+    from zbench.tune.verify import Verification, level_with
+
+    rng = random.Random(0)
+    best = [1.0] * 10  # the DDP reference: the yardstick, 1 in each round
+    samples = {
+        2: best,
+        1: [1.0 + rng.gauss(0, 0.04) for _ in range(10)],  # noise around the best: level
+        3: [1.3 + rng.gauss(0, 0.04) for _ in range(10)],  # 30% slower: told apart
+        4: [1.0],  # one round: not compared
+    }
+    assert level_with(2, [1, 3, 4], samples) == [1]
+    v = Verification(run_id="r", run_path="p", rows=[], kendall_tau=0.0, measured_best_rank=4, level_with_best=[2])
+    assert v.best_in_top_two is False and v.a_best_in_top_two is True
+    assert (
+        Verification(run_id="r", run_path="p", rows=[], kendall_tau=0.0, measured_best_rank=4).a_best_in_top_two
+        is False
+    )
