@@ -48,7 +48,7 @@ def declared(implementations: tuple[str, ...], fixed: Mapping[str, object]) -> l
     for name in implementations:
         caps = registry.resolve(name).capabilities
         for t in caps.tunables:
-            if t.option not in fixed and t.stages & caps.stages:
+            if t.option not in fixed and any(t.applies(stage) for stage in caps.stages):
                 values = ", ".join(str(v) for v in t.values)
                 lines.append(f"{name}: option {t.option} searched over {values} (default {t.values[0]}): {t.trades}")
     return lines

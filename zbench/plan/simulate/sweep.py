@@ -15,11 +15,11 @@ from zbench.plan.trace.plan import TracedRow
 #: The sweep ``--simulate`` runs unless told: one node to 128 nodes of 8.
 DEFAULT_SCALES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
-#: What each compute model's predictions (``Cluster.compute_model``) measured against runs they were not fitted
-#: to, shown beside them (docs/methods.md#simulation; each figure with its date, machines and data file).
 #: The step model's median error on a setup's step-time ratio to DDP's, on a calibrated CPU profile (below).
 CALIBRATED_RATIO_ERROR = 0.061
 
+#: What each compute model's predictions (``Cluster.compute_model``) measured against runs they were not fitted
+#: to, shown beside them (docs/methods.md#simulation; each figure with its date, machines and data file).
 MEASURED_ERROR = {
     "calibrated": "measured error on a calibrated CPU profile: step time median 18%, worst 53%; ratio to DDP "
     f"median {CALIBRATED_RATIO_ERROR:.1%}, worst 26% (42 runs, tiny to medium, worlds 1-2, the 2-core CPU machine, "
