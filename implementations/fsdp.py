@@ -1,16 +1,27 @@
-"""PyTorch FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded, i.e. ZeRO stage 3.
+"""PyTorch FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded, at ZeRO stage 3 or 2.
 
-Each transformer block is its own FSDP unit (gathered before its forward,
-resharded after), then the root module, the layout torchtitan uses.
+Each transformer block is its own FSDP unit, then the root module, the layout
+torchtitan uses. The stage is FSDP2's ``reshard_after_forward``:
+
+- stage 3: ``True`` (its default): each unit is gathered before its forward,
+  freed after it and gathered again for its backward (3Ψ less the root, which
+  stays gathered from forward to backward);
+- stage 2: ``False``: each unit stays gathered from its forward to the end of
+  its backward, so it is gathered once per step (2Ψ), and freed after it; as
+  FSDP1's ``SHARD_GRAD_OP``, parameters are sharded between steps (stage 3's
+  model states) and whole during the step (stage 2's peak and traffic).
 
 Offload: FSDP2's ``CPUOffloadPolicy`` keeps the sharded fp32 parameters, their
 gradients and the optimizer state on the host and runs the optimizer step
 there; parameters are copied to the device before each unit's all-gather. That
-is the suite's ``optimizer+params`` mode; FSDP2 cannot offload the optimizer
-alone nor to NVMe, so those modes are skipped with that reason.
+is the suite's ``optimizer+params`` mode, at stage 3 (the formulas hold parameter
+offload to stage 3); FSDP2 cannot offload the optimizer alone nor to NVMe, so
+those modes are skipped with that reason.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -56,9 +67,14 @@ class FSDPEngine(EngineBase):
             if spec.offload == "optimizer+params"
             else OffloadPolicy()
         )
+        shard = functools.partial(fully_shard, mesh=mesh, mp_policy=policy, offload_policy=offload)
+        if spec.stage == 2:  # each unit stays gathered from its forward to its backward
+            shard = functools.partial(shard, reshard_after_forward=False)
+        # (stage 3 leaves torch's default, which reshards every unit but the root; an explicit True would regather
+        # the root for backward too)
         for blocks in shard_groups(model):
-            fully_shard(blocks, mesh=mesh, mp_policy=policy, offload_policy=offload)
-        sharded = fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
+            shard(blocks)
+        sharded = shard(model)
         assert isinstance(sharded, nn.Module)  # ``model`` itself, its class now a subclass of FSDPModule too
         if may_leave_unused(model) and hasattr(sharded, "set_reduce_scatter_unused_params"):
             # FSDP2's setting for experts no token reached: zeros from a rank that did not use a parameter, as
@@ -103,15 +119,17 @@ class FSDPEngine(EngineBase):
 class FSDP:
     name = "fsdp"
     capabilities = Capabilities(
-        stages=frozenset({3}),
+        stages=frozenset({2, 3}),
         precisions=frozenset({"fp32", "bf16"}),
         offload=frozenset({"none", "optimizer+params"}),
         offload_keeps_master=False,
+        parameters_sharded_from_stage=2,
         shards_parameters_by_rows=True,
     )
 
-    def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int:
-        return root_stays_gathered(shape)
+    def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int | None:
+        """Stage 3: 3Ψ less the root, which stays gathered from forward to backward; stage 2: the formula's 2Ψ."""
+        return root_stays_gathered(shape) if stage == 3 else None
 
     def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> FSDPEngine:
         return FSDPEngine(model, spec, group)

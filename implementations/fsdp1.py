@@ -13,6 +13,12 @@ sharded fp32 flat parameter and casts a compute copy for each forward (``MixedPr
 gradients reduced in fp32), the same layout as FSDP2. Offload: ``CPUOffload(offload_params=True)``
 keeps the sharded parameters, their gradients and so the optimizer step on the host, which is the
 suite's ``optimizer+params`` at stage 3; FSDP1 offloads nothing at the other strategies.
+
+Option ``backward_prefetch`` (``pre``, its default, ``post`` or ``none``): when ``FULL_SHARD`` gathers the
+next unit for backward. ``pre`` issues it before the current unit's gradients are computed, so the two overlap
+and two units are gathered at once; ``post`` after them, and ``none`` only when backward reaches the next
+unit, so that the gather waits in the open (torch's docs: no overlap, and not recommended) while one unit at a
+time is held.
 """
 
 from __future__ import annotations
@@ -24,15 +30,32 @@ from typing import cast
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+)
 
 from zbench.implementations._common import accumulate
 from zbench.implementations.fsdp import root_stays_gathered, shard_groups
-from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, ModelShape, TrainSpec
+from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, ModelShape, TrainSpec, Tunable
 from zbench.state_bytes import module_state_bytes, moved_to_host
 
 STRATEGY = {3: ShardingStrategy.FULL_SHARD, 2: ShardingStrategy.SHARD_GRAD_OP, 0: ShardingStrategy.NO_SHARD}
 _PREFIX = "_fsdp_wrapped_module."
+#: The suite option ``backward_prefetch`` by name: FSDP1's ``BackwardPrefetch`` (``pre`` is torch's default).
+BACKWARD_PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
+
+
+def backward_prefetch(spec: TrainSpec) -> BackwardPrefetch | None:
+    """The suite's ``options: {backward_prefetch: ...}``, checked; other options are ignored, as a suite may give
+    every implementation the same ``options``."""
+    value = spec.options.get("backward_prefetch", "pre")
+    if not isinstance(value, str) or value not in BACKWARD_PREFETCH:
+        raise ValueError(f"fsdp1 option backward_prefetch must be one of {', '.join(BACKWARD_PREFETCH)}, got {value!r}")
+    return BACKWARD_PREFETCH[value]
 
 
 class FSDP1Engine(EngineBase):
@@ -48,6 +71,7 @@ class FSDP1Engine(EngineBase):
                 else None
             ),
             cpu_offload=CPUOffload(offload_params=spec.offload == "optimizer+params"),
+            backward_prefetch=backward_prefetch(spec),
             device_id=spec.device,  # named even on CPU, where FSDP1 otherwise looks for an accelerator
             use_orig_params=True,
         )
@@ -102,7 +126,14 @@ class FSDP1(ImplementationBase):
         offload_keeps_master=False,
         offload_devices=frozenset({"cuda"}),
         parameters_sharded_from_stage=2,
-    )
+        tunables=(
+            Tunable(
+                "backward_prefetch", ("pre", "post"), stages=frozenset({3}), serialized_at=("post", "none"),
+                serialized_phases=frozenset({"backward"}),
+                trades="one unit's gathered parameters less at the peak against backward's gathers waited for",
+            ),
+        ),
+    )  # fmt: skip
 
     def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int | None:
         """``FULL_SHARD`` as FSDP2: the root unit stays gathered from forward to backward (3Ψ less the root);

@@ -36,7 +36,7 @@ precisions: [fp32, fp16]
 target_loss: 5.6
 implementations:
   - ddp
-  - fsdp
+  - {{name: fsdp, stages: [3]}}
   - torch_zero
   - {{name: "{FAULTY}", options: {{fault: unsynced}}}}
   - {{name: "{FAULTY}", options: {{fault: crash}}}}

@@ -6,6 +6,7 @@ it beside tests/test_tune.py rather than after it."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -163,3 +164,53 @@ def test_setups_the_paired_rounds_cannot_tell_apart_are_level_and_a_clear_gap_is
         Verification(run_id="r", run_path="p", rows=[], kendall_tau=0.0, measured_best_rank=4).a_best_in_top_two
         is False
     )
+
+
+# --- FSDP1's backward prefetch: a real option of the real code, serializing backward alone ------------------------
+
+
+def test_fsdp1_backward_prefetch_post_holds_a_unit_less_and_waits_for_backwards_gathers_only():
+    """The option reaches FSDP1 (traced at `small` on 8 ranks): ``post`` gathers the next unit only after the current
+    one's gradients, so backward's peak holds one unit's parameters fewer than ``pre``; the step model then charges
+    backward's collectives as exposed and hides forward's as before (``Tunable.serialized_phases``)."""
+    from zbench.plan.simulate import cluster as clusters
+    from zbench.plan.simulate.sweep import estimate_row, serialized
+    from zbench.plan.trace.plan import make_case, trace_plan
+
+    def traced(value: str):
+        case = make_case("small", "fsdp1", 3, "none", gpus=8, precision="bf16", micro_batch=1, seq_len=512,
+                         device="cpu", checkpointing=False, options={"backward_prefetch": value})  # fmt: skip
+        (row,) = trace_plan([case], device="cpu")
+        assert row.trace.error is None, row.trace.error
+        return row
+
+    pre, post = traced("pre"), traced("post")
+    gathered = [r.trace.peak["device"]["roles"]["gathered parameters"] for r in (pre, post)]
+    assert gathered[1] < gathered[0]
+    assert post.trace.peak["device"]["bytes"] < pre.trace.peak["device"]["bytes"]
+    assert serialized(pre.case) == frozenset() and serialized(post.case) == {"backward"}
+    h100 = clusters.load("h100-sxm")
+    before, after = estimate_row(pre, h100, 64), estimate_row(post, h100, 64)
+    assert before.phase_comm_s == after.phase_comm_s  # the same collectives, waited for differently
+    everything = estimate_row(replace(post, case=_serialize_both(post.case)), h100, 64)
+    assert everything.exposed_comm_s == pytest.approx(after.comm_s)  # both phases waited for: nothing hidden
+    assert before.exposed_comm_s < after.exposed_comm_s < everything.exposed_comm_s  # forward still hides
+    assert after.exposed_comm_s - before.exposed_comm_s <= after.phase_comm_s["backward"]
+
+
+def _serialize_both(case):
+    """``case`` as a ZeRO-3 prefetch of 0 would wait: its implementation's tunable declared for both phases."""
+    caps = case.capabilities
+    tunables = tuple(replace(t, serialized_phases=frozenset({"forward", "backward"})) for t in caps.tunables)
+    return case.model_copy(update={"capabilities": replace(caps, tunables=tunables)})
+
+
+def test_fsdp1_rejects_an_unknown_backward_prefetch_in_one_line():
+    import torch
+
+    from zbench.implementations.fsdp1 import backward_prefetch
+    from zbench.protocol import TrainSpec
+
+    with pytest.raises(ValueError, match="backward_prefetch must be one of pre, post, none, got 'early'"):
+        backward_prefetch(TrainSpec(device=torch.device("cpu"), stage=3, options={"backward_prefetch": "early"}))
+    assert backward_prefetch(TrainSpec(device=torch.device("cpu"))) is not None  # torch's default: BACKWARD_PRE

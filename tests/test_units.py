@@ -100,13 +100,15 @@ def expand(cfg):
 
 
 def test_cartesian_product_with_ddp_reference_first():
+    """Every implementation at every stage it supports (FSDP2's 2 and 3) after DDP and its twin."""
     cases = expand(config(precisions=["fp32", "bf16"]))
-    assert len(cases) == 2 * 2 * 4
+    assert len(cases) == 2 * 2 * 5
     groups = {}
     for c in cases:
-        groups.setdefault(c.reference_key, []).append(c.implementation + ("-twin" if c.noise_twin else ""))
+        groups.setdefault(c.reference_key, []).append(f"{c.implementation}{'-twin' if c.noise_twin else ''}-s{c.stage}")
     assert all(
-        impls[:2] == ["ddp", "ddp-twin"] and sorted(impls[2:]) == ["fsdp", "torch_zero"] for impls in groups.values()
+        impls[:2] == ["ddp-s0", "ddp-twin-s0"] and sorted(impls[2:]) == ["fsdp-s2", "fsdp-s3", "torch_zero-s1"]
+        for impls in groups.values()
     )
     assert len({c.case_id for c in cases}) == len(cases)
 
@@ -130,7 +132,7 @@ def test_entries_with_their_own_axes_are_setups_each_with_a_ddp_reference_traine
             world_sizes=[2],
             implementations=[
                 {"name": "zero2", "offload": "optimizer", "micro_batch": 2, "grad_accum": 2},
-                {"name": "fsdp", "micro_batch": 8, "activation_checkpointing": True},
+                {"name": "fsdp", "stages": [3], "micro_batch": 8, "activation_checkpointing": True},
                 "torch_zero",
             ],
         )
@@ -185,7 +187,7 @@ def test_case_round_trips_through_json_with_its_capabilities():
     case = expand(config(implementations=[{"name": "fsdp", "options": {"x": 1}}]))[2]
     back = Case.model_validate(json.loads(json.dumps(case.to_json_dict())))
     assert back == case and back.case_id == case.case_id
-    assert back.capabilities is not None and back.capabilities.stages == frozenset({3})
+    assert back.capabilities is not None and back.capabilities.stages == frozenset({2, 3})
 
 
 def test_case_ids_cannot_escape_the_results_directory():

@@ -114,8 +114,11 @@ class Tunable:
     """The stages at which the option changes anything (stage 3's prefetch means nothing at stage 2)."""
     serialized_at: tuple[Any, ...] = ()
     """Values at which the implementation waits for its gathers as it issues them, so that no compute hides them (a
-    ZeRO-3 prefetch of 0): the step model then charges every forward and backward collective as exposed, its
+    ZeRO-3 prefetch of 0): the step model then charges every collective of ``serialized_phases`` as exposed, its
     reduce-scatters too (which may still overlap: a bound, not an estimate)."""
+    serialized_phases: frozenset[str] = frozenset({"forward", "backward"})
+    """The phases an ``serialized_at`` value serializes: both for a ZeRO-3 prefetch of 0, backward alone for
+    FSDP1's backward prefetch."""
     trades: str = ""
     """What the option trades, in a few words, for ``zbench tune``'s answer."""
 

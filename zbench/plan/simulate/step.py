@@ -24,6 +24,7 @@ and 3Ψ), so one trace serves every world size of a sweep. The model (docs/metho
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -133,13 +134,13 @@ def estimate(
     checkpointing: bool,
     tokens_per_step: int,
     phase_compute: dict[str, float] | None = None,
-    serialized: bool = False,
+    serialized: Collection[str] = (),
 ) -> StepEstimate:
     """One rank's step at ``world`` ranks; ``flops_per_step`` and ``tokens_per_step`` are one rank's.
 
     ``phase_compute`` (seconds per phase from the traced operators) replaces the FLOPs-over-peak compute.
-    ``serialized``: the implementation waits for each collective as it issues it (``Tunable.serialized_at``), so
-    none is hidden."""
+    ``serialized``: the phases (``forward``, ``backward``) in which the implementation waits for each collective as
+    it issues it (``Tunable.serialized_at``), so that none of theirs is hidden."""
     if phase_compute is not None:
         forward, backward = phase_compute.get("forward", 0.0), phase_compute.get("backward", 0.0)
         after = phase_compute.get("after_backward", 0.0)
@@ -154,9 +155,9 @@ def estimate(
         for phase, ops in phases.items()
     }
     calls = {phase: sum(e["count"] for e in ops.values()) for phase, ops in phases.items()}
-    overlap = 0.0 if serialized else cluster.overlap
-    exposed_f, hid_f = _exposed(per_phase.get("forward", 0.0), calls.get("forward", 0), forward, overlap)
-    exposed_b, hid_b = _exposed(per_phase.get("backward", 0.0), calls.get("backward", 0), backward, overlap)
+    overlap = {phase: 0.0 if phase in serialized else cluster.overlap for phase in ("forward", "backward")}
+    exposed_f, hid_f = _exposed(per_phase.get("forward", 0.0), calls.get("forward", 0), forward, overlap["forward"])
+    exposed_b, hid_b = _exposed(per_phase.get("backward", 0.0), calls.get("backward", 0), backward, overlap["backward"])
     exposed = exposed_f + exposed_b + per_phase.get("after_backward", 0.0)
     off = offload_seconds(params=params, world=world, stage=stage, offload=offload, cluster=cluster)
     step = compute + exposed + off

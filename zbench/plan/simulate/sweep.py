@@ -90,13 +90,18 @@ def estimate_row(
     )
 
 
-def serialized(case: Case) -> bool:
-    """Whether ``case``'s options make its implementation wait for each collective as it issues it
-    (``Tunable.serialized_at``: a ZeRO-3 prefetch of 0)."""
+def serialized(case: Case) -> frozenset[str]:
+    """The phases in which ``case``'s options make its implementation wait for each collective as it issues it
+    (``Tunable.serialized_at``: a ZeRO-3 prefetch of 0, both; FSDP1 without backward prefetch, backward)."""
     caps = case.capabilities
-    return caps is not None and any(
-        t.applies(case.stage) and t.option in case.options and case.options[t.option] in t.serialized_at
-        for t in caps.tunables
+    if caps is None:
+        return frozenset()
+    return frozenset().union(
+        *(
+            t.serialized_phases
+            for t in caps.tunables
+            if t.applies(case.stage) and t.option in case.options and case.options[t.option] in t.serialized_at
+        )
     )
 
 
