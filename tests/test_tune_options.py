@@ -141,6 +141,55 @@ def test_the_option_search_varies_every_seed_and_keeps_only_a_faster_or_leaner_v
     assert "4 variants of 2 setups traced; 2 kept" in found.summary and "2 dropped" in found.summary
 
 
+def test_the_nearest_gpu_misses_are_searched_too_and_a_variant_that_fits_is_kept():
+    """Planted: of five zero3 setups that do not fit, the three traced ones nearest the GPU's limit get their
+    options searched (not one pruned by host memory, nor one pruned untraced by the formulas); a prefetch-0 variant
+    that fits is kept (rescued), one that still does not is dropped."""
+    from zbench.plan.simulate.step import StepEstimate
+    from zbench.plan.trace.plan import make_case
+    from zbench.tune.options import NEAR_MISSES, search_options, seeds
+    from zbench.tune.search import Candidate, Needs
+
+    est = StepEstimate(world=2, compute_s=1.0, comm_s=0.0, exposed_comm_s=0.0, offload_s=0.0, step_s=1.0,
+                       tokens_per_s_per_gpu=100.0, mfu=0.5, comm_to_compute=0.0, compute_model="operators",
+                       hides_gathers=True, phase_comm_s={})  # fmt: skip
+
+    def case(mb: int, ckpt: bool = False):
+        return make_case("tiny", "zero3", 3, "none", gpus=2, precision="fp32", micro_batch=mb, seq_len=32,
+                         device="cpu", checkpointing=ckpt)  # fmt: skip
+
+    def missed(c, over: float, what: str = "GPU", traced: bool = True) -> Candidate:
+        needs = Needs(gpu=10.0 * (1 + over), host_per_node=0.0, disk_per_node=0.0) if traced else None
+        return Candidate(c, needs=needs, pruned=f"{what}: over by {over:.0%}", overshoot=over)
+
+    fits = Candidate(case(1), needs=Needs(gpu=5.0, host_per_node=0.0, disk_per_node=0.0), estimate=est)
+    ranked = [
+        fits,
+        missed(case(1, True), 0.01, "host per node"),
+        missed(case(2), 0.02, traced=False),
+        missed(case(2, True), 0.05),
+        missed(case(4), 0.1),
+        missed(case(4, True), 0.3),
+        missed(case(8), 0.9),
+    ]
+    near = [c for c in seeds(ranked) if c.pruned is not None]
+    assert NEAR_MISSES == 3 and [c.overshoot for c in near] == [0.05, 0.1, 0.3]
+
+    def run(cases):
+        out = []
+        for c in cases:
+            fit = c.micro_batch == 2 and c.options == {"prefetch": 0}  # planted: only this variant fits
+            out.append(Candidate(c, needs=Needs(gpu=9.0, host_per_node=0.0, disk_per_node=0.0), estimate=est)
+                       if fit else missed(c, 0.04))  # fmt: skip
+        return out
+
+    found = search_options(ranked, {}, run)
+    assert [(c.case.micro_batch, c.case.activation_checkpointing, c.case.options) for c in found.kept] == [
+        (2, True, {"prefetch": 0})
+    ]
+    assert "1 kept (faster or leaner than the setup they vary, 1 fitting where it did not)" in found.summary
+
+
 def test_setups_the_paired_rounds_cannot_tell_apart_are_level_and_a_clear_gap_is_not():
     """Planted paired ratios (a setup's step over DDP's, round by round): noise around the best's is level with
     it, a setup 30% slower in every round is told apart, one with a single round is not compared; the verdict

@@ -1,5 +1,6 @@
 """``zbench tune``'s second pass: the options each implementation declares worth searching (``Tunable``: our
-engines' bucket size and prefetch, DDP's bucket size), tried on the setups that can win.
+engines' bucket size and prefetch, DDP's bucket size, FSDP1's backward prefetch), tried on the setups that can
+win and on those that missed the GPU by the least.
 
 Every option value times every setup of the first pass would multiply its traces by the options' values, so the
 search is local: the top setups and each implementation's best, each with one option at a time moved off its
@@ -20,6 +21,9 @@ from zbench.tune.search import Candidate, best_per_implementation
 
 #: How many of the first pass's fastest setups get their options searched, besides each implementation's best.
 SEEDS = 3
+#: How many traced setups that missed the GPU by the least get their options searched too: a leaner option (a
+#: ZeRO-3 prefetch of 0, FSDP1's backward prefetch ``post``) may make one fit.
+NEAR_MISSES = 3
 
 
 def variants(case: Case, fixed: Mapping[str, object]) -> list[Case]:
@@ -34,11 +38,16 @@ def variants(case: Case, fixed: Mapping[str, object]) -> list[Case]:
     return out
 
 
-def seeds(ranked: list[Candidate], count: int = SEEDS) -> list[Candidate]:
-    """The setups whose options are searched: the ``count`` fastest and each implementation's best (traced ones:
-    an estimate has no options of its own to move)."""
+def seeds(ranked: list[Candidate], count: int = SEEDS, near: int = NEAR_MISSES) -> list[Candidate]:
+    """The setups whose options are searched: the ``count`` fastest, each implementation's best and the ``near``
+    traced setups that missed the GPU by the least (traced ones: an estimate has no options of its own to
+    move)."""
     traced = [c for c in ranked if c.estimated_from is None]
     chosen = [c for c in traced if c.pruned is None][:count] + best_per_implementation(traced)
+    chosen += sorted(
+        (c for c in traced if c.needs is not None and c.pruned is not None and c.pruned.startswith("GPU")),
+        key=lambda c: c.overshoot,
+    )[:near]
     return list({id(c): c for c in chosen}.values())
 
 
@@ -71,8 +80,9 @@ def search_options(
 ) -> OptionSearch:
     """The variants of ``seeds(ranked)``, each searched by ``run`` (``zbench.tune.search.search`` with the
     question's cluster, limits and cache). A variant is kept where it is predicted faster than the setup it
-    varies, or fits in less GPU memory; one that fits nowhere, or changes neither (a bucket larger than every
-    gradient of a small model), is dropped and counted, so that the ranking is not filled with ties."""
+    varies, or fits in less GPU memory, or fits where that setup did not; one that fits nowhere, or changes
+    neither (a bucket larger than every gradient of a small model), is dropped and counted, so that the ranking
+    is not filled with ties."""
     seen = {_key(c.case) for c in ranked}
     pairs: list[tuple[Candidate, Case]] = []
     for seed in seeds(ranked):
@@ -83,11 +93,14 @@ def search_options(
     if not pairs:
         return OptionSearch([], "options: nothing to vary")
     found = {_key(c.case): c for c in run([case for _, case in pairs])}
-    kept = [found[_key(case)] for seed, case in pairs if _better(found[_key(case)], seed)]
+    kept_pairs = [(seed, found[_key(case)]) for seed, case in pairs if _better(found[_key(case)], seed)]
+    kept = [variant for _, variant in kept_pairs]
     setups = len({id(seed) for seed, _ in pairs})
+    rescued = sum(seed.pruned is not None for seed, _ in kept_pairs)
     summary = (
         f"options: {len(pairs)} variants of {setups} setups traced; {len(kept)} kept (faster or leaner than the setup "
-        f"they vary), {len(pairs) - len(kept)} dropped (no faster and no leaner, or not fitting)"
+        f"they vary{f', {rescued} fitting where it did not' if rescued else ''}), {len(pairs) - len(kept)} dropped "
+        "(no faster and no leaner, or not fitting)"
     )
     return OptionSearch(kept, summary)
 
@@ -95,7 +108,9 @@ def search_options(
 def _better(variant: Candidate, seed: Candidate) -> bool:
     if variant.pruned is not None or variant.estimate is None or variant.needs is None:
         return False
-    assert seed.estimate is not None and seed.needs is not None  # a seed is a survivor
+    if seed.pruned is not None:  # a near miss (``seeds``): any variant that fits is better
+        return True
+    assert seed.estimate is not None and seed.needs is not None  # a survivor was predicted
     faster = variant.estimate.tokens_per_s_per_gpu > seed.estimate.tokens_per_s_per_gpu * (1 + MARGIN)
     return faster or variant.needs.gpu < seed.needs.gpu * (1 - MARGIN)
 
