@@ -296,8 +296,10 @@ def ranked(candidates: list[Candidate]) -> list[Candidate]:
 def _siblings(case: Case) -> tuple:
     """What a setup is apart from its micro-batch, and whether it accumulates gradients: a setup that accumulates
     (FSDP keeps whole gradients between micro-steps) may need more than a larger micro-batch that does not, so
-    the two are not compared."""
-    return (case.implementation, case.stage, case.offload, case.activation_checkpointing, case.grad_accum > 1)
+    the two are not compared; nor are two setups whose options differ (a ZeRO-3 prefetch of 2 holds more than a
+    prefetch of 0 at a larger micro-batch)."""
+    return (case.implementation, case.stage, case.offload, case.activation_checkpointing, case.grad_accum > 1,
+            repr(sorted(case.options.items())))  # fmt: skip
 
 
 def _judge(c: Candidate, t: Traced, cluster: Cluster, limits: Limits) -> None:
