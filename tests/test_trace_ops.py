@@ -116,6 +116,35 @@ def test_each_operator_is_charged_by_hand():
     )
 
 
+def test_a_memory_bound_operator_is_charged_the_bandwidth_of_its_own_working_set():
+    """Planted probes: 100 GB/s where a working set stays in cache (256 KiB tensors), 10 GB/s streaming (64 MiB);
+    an operator moving as much as a probe gets that probe's rate (``copy`` moves 2x its input, ``add`` 3x), one
+    between gets a rate between (linear in log bytes), one beyond either end that end's; a calibration of one size
+    (older profiles, datasheets) charges every operator the same."""
+    from zbench.plan.simulate.compute import memory_bandwidth
+
+    small, large = 256 * 2**10, 64 * 2**20
+    cal = _calibration().model_copy(
+        update={
+            "memory_bound": [
+                BandwidthPoint(op="copy", bytes=small, gb_s=100.0),
+                BandwidthPoint(op="add", bytes=small, gb_s=100.0),
+                BandwidthPoint(op="copy", bytes=large, gb_s=10.0),
+                BandwidthPoint(op="add", bytes=large, gb_s=10.0),
+            ]
+        }
+    )
+    at_small, at_large = 2.5 * small, 2.5 * large  # between copy's working set (2x) and add's (3x) of one size
+    assert memory_bandwidth(cal, at_small) == pytest.approx(100e9)
+    assert memory_bandwidth(cal, at_large) == pytest.approx(10e9)
+    assert 10e9 < memory_bandwidth(cal, 2 * 2**20 * 2.5) < 100e9
+    assert memory_bandwidth(cal, 8) == pytest.approx(100e9) and memory_bandwidth(cal, 1e12) == pytest.approx(10e9)
+    add = {"op": "add", "dtype": "float32", "flops": 0, "bytes": 3 * small, "count": 1}
+    assert op_seconds(add, cal, on_gpu=False) == pytest.approx(3 * small / 100e9 + 2e-6)
+    one_size = _calibration()
+    assert memory_bandwidth(one_size, 8) == memory_bandwidth(one_size, 1e12) == memory_bandwidth(one_size) == 10e9
+
+
 def test_simulate_with_a_calibrated_profile_charges_operators(cli, tmp_path, traced):
     from zbench.plan.calibrate.profile import derive, to_yaml
     from zbench.plan.simulate.cluster import load

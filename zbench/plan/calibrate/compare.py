@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zbench.plan.simulate.cluster import Cluster
+from zbench.results.formatting import fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,9 @@ def _figures(profile: Cluster) -> dict[str, float]:
         return out
     for p in cal.matmul:
         out[f"matmul {p.dtype} {p.m}x{p.k}x{p.n} tflops"] = p.tflops
+    sizes = {b.bytes for b in cal.memory_bound}
     for b in cal.memory_bound:
-        out[f"{b.op} gb_s"] = b.gb_s
+        out[f"{b.op} {fmt_bytes(b.bytes)} gb_s" if len(sizes) > 1 else f"{b.op} gb_s"] = b.gb_s
     for c in cal.collectives:
         name = c.op if c.ranks == cal.ranks else f"{c.op} over {c.ranks}"
         out[f"{name} latency_us"] = c.latency_us

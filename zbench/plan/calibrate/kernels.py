@@ -37,7 +37,10 @@ class Sizes:
     square: int
     dtypes: tuple[torch.dtype, ...]
     stream_bytes: int
-    """Memory-bound operators and copies: bytes per tensor."""
+    """Host <-> device copies, and the largest memory-bound probe: bytes per tensor."""
+    cached_bytes: tuple[int, ...] = ()
+    """Smaller memory-bound probes, bytes per tensor: working sets that stay in a CPU's caches, as a training step's
+    per-tensor optimizer operators and small activations do."""
 
     @staticmethod
     def for_device(device: torch.device, *, quick: bool) -> Sizes:
@@ -47,10 +50,12 @@ class Sizes:
                 dtypes=(torch.bfloat16, torch.float16, torch.float32), stream_bytes=2**30,
             )  # fmt: skip
         if quick:
-            return Sizes(tokens=(256,), hidden=(256,), square=512, dtypes=(torch.float32,), stream_bytes=16 * 2**20)
+            return Sizes(tokens=(256,), hidden=(256,), square=512, dtypes=(torch.float32,), stream_bytes=16 * 2**20,
+                         cached_bytes=(256 * 2**10, 2**20))  # fmt: skip
         return Sizes(
             tokens=(512, 2048), hidden=(256, 768), square=1024,
             dtypes=(torch.float32, torch.bfloat16), stream_bytes=64 * 2**20,
+            cached_bytes=(256 * 2**10, 2**20, 4 * 2**20, 16 * 2**20),
         )  # fmt: skip
 
 
@@ -80,22 +85,26 @@ def matmul_table(timer: Timer, sizes: Sizes) -> list[MatmulPoint]:
 
 
 def memory_bound(timer: Timer, sizes: Sizes) -> list[BandwidthPoint]:
-    """``copy_`` (one read, one write) and ``add`` (two reads, one write) of fp32 tensors."""
-    n = sizes.stream_bytes // 4
-    x, y, out = (torch.ones(n, device=timer.device) for _ in range(3))
-    copy_s = timer.median_s(lambda: out.copy_(x))
-    add_s = timer.median_s(lambda: torch.add(x, y, out=out))
-    return [
-        BandwidthPoint(op="copy", bytes=sizes.stream_bytes, gb_s=2 * sizes.stream_bytes / copy_s / 1e9),
-        BandwidthPoint(op="add", bytes=sizes.stream_bytes, gb_s=3 * sizes.stream_bytes / add_s / 1e9),
-    ]
+    """``copy_`` (one read, one write) and ``add`` (two reads, one write) of fp32 tensors, at every probed size
+    (the simulator charges an operator the bandwidth of its own working set: ``compute.memory_bandwidth``)."""
+    points = []
+    for nbytes in (*sizes.cached_bytes, sizes.stream_bytes):
+        x, y, out = (torch.ones(nbytes // 4, device=timer.device) for _ in range(3))
+        copy_s = timer.median_s(partial(out.copy_, x))
+        add_s = timer.median_s(partial(torch.add, x, y, out=out))
+        points += [
+            BandwidthPoint(op="copy", bytes=nbytes, gb_s=2 * nbytes / copy_s / 1e9),
+            BandwidthPoint(op="add", bytes=nbytes, gb_s=3 * nbytes / add_s / 1e9),
+        ]
+    return points
 
 
 def copies(timer: Timer, sizes: Sizes, memory: list[BandwidthPoint]) -> dict[str, float]:
     """Host <-> device GB/s (bytes copied per second), pinned and pageable; on a CPU there is no device, and the
-    host memory copy ``memory_bound`` already timed stands in (its figure counts the read and the write)."""
+    host memory copy ``memory_bound`` already timed at its largest size stands in (its figure counts the read and
+    the write)."""
     if timer.device.type != "cuda":
-        return {"host_copy": next(b.gb_s for b in memory if b.op == "copy") / 2}
+        return {"host_copy": max((b for b in memory if b.op == "copy"), key=lambda b: b.bytes).gb_s / 2}
     n = sizes.stream_bytes // 4
     out = {}
     dev = torch.empty(n, device=timer.device)

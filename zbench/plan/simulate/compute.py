@@ -55,8 +55,12 @@ def _rate_table(cal: Rates, dtype: str) -> list[tuple[float, float]]:
 
 def flop_rate(cal: Rates, dtype: str, flops: float) -> float:
     """FLOP/s for one operator of ``flops`` in ``dtype``: interpolated between measured products of nearby size."""
-    table = _rate_table(cal, dtype)
-    x = math.log(max(flops, 1.0))
+    return _interpolated(_rate_table(cal, dtype), math.log(max(flops, 1.0)))
+
+
+def _interpolated(table: list[tuple[float, float]], x: float) -> float:
+    """The rate at ``x`` (a log size), linear between the sorted ``(log size, rate)`` points around it, the
+    nearest end's rate outside them."""
     keys = [k for k, _ in table]
     i = bisect.bisect_left(keys, x)
     if i == 0:
@@ -75,8 +79,23 @@ def attention_rate(cal: Rates, op: str) -> float | None:
     return None
 
 
-def memory_bandwidth(cal: Rates) -> float:
-    return statistics.median(b.gb_s for b in cal.memory_bound) * 1e9
+#: Bytes a memory-bound probe moves per byte of its input: ``copy`` reads and writes, ``add`` reads two and writes.
+_MOVED_PER_INPUT_BYTE = {"copy": 2, "add": 3}
+
+
+def memory_bandwidth(cal: Rates, moved_bytes: float | None = None) -> float:
+    """Bytes per second for a memory-bound operator that moves ``moved_bytes`` (reads and writes) per call: between
+    the calibration's probes of nearby working sets (each size's median over ``copy`` and ``add``), since an
+    operator whose tensors stay in cache runs several times faster than one that streams from memory (2-core
+    machine: about 100 GB/s at 256 KiB, 26 at 1-16 MiB, 13 at 64 MiB); one size probed (an older calibration, a
+    datasheet), or no size asked: its median."""
+    if moved_bytes is None:
+        return statistics.median(b.gb_s for b in cal.memory_bound) * 1e9
+    by_size: dict[float, list[float]] = {}
+    for b in cal.memory_bound:
+        by_size.setdefault(math.log(b.bytes * _MOVED_PER_INPUT_BYTE.get(b.op, 1)), []).append(b.gb_s)
+    table = sorted((size, statistics.median(rates) * 1e9) for size, rates in by_size.items())
+    return _interpolated(table, math.log(max(moved_bytes, 1.0)))
 
 
 def op_seconds(entry: dict[str, Any], cal: Rates, *, on_gpu: bool, work_scale: float = 1.0) -> float:
@@ -85,7 +104,7 @@ def op_seconds(entry: dict[str, Any], cal: Rates, *, on_gpu: bool, work_scale: f
     if entry["flops"] > 0:
         work = entry["flops"] / (attention_rate(cal, entry["op"]) or flop_rate(cal, entry["dtype"], entry["flops"]))
     else:
-        work = entry["bytes"] / memory_bandwidth(cal)
+        work = entry["bytes"] / memory_bandwidth(cal, entry["bytes"])
     if not on_gpu and cal.mapped_gb_s:
         work += entry.get("mapped_bytes", 0) / (cal.mapped_gb_s * 1e9)  # traces before it was recorded: none
     work *= work_scale
