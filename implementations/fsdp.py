@@ -3,9 +3,9 @@
 Each transformer block is its own FSDP unit, then the root module, the layout
 torchtitan uses. The stage is FSDP2's ``reshard_after_forward``:
 
-- stage 3: ``True`` (its default): each unit is gathered before its forward,
-  freed after it and gathered again for its backward (3Ψ less the root, which
-  stays gathered from forward to backward);
+- stage 3: torch's default (``True`` for every unit but the root): each unit
+  is gathered before its forward, freed after it and gathered again for its
+  backward (3Ψ less the root, which stays gathered from forward to backward);
 - stage 2: ``False``: each unit stays gathered from its forward to the end of
   its backward, so it is gathered once per step (2Ψ), and freed after it; as
   FSDP1's ``SHARD_GRAD_OP``, parameters are sharded between steps (stage 3's

@@ -117,7 +117,7 @@ class Tunable:
     ZeRO-3 prefetch of 0): the step model then charges every collective of ``serialized_phases`` as exposed, its
     reduce-scatters too (which may still overlap: a bound, not an estimate)."""
     serialized_phases: frozenset[str] = frozenset({"forward", "backward"})
-    """The phases an ``serialized_at`` value serializes: both for a ZeRO-3 prefetch of 0, backward alone for
+    """The phases a ``serialized_at`` value serializes: both for a ZeRO-3 prefetch of 0, backward alone for
     FSDP1's backward prefetch."""
     trades: str = ""
     """What the option trades, in a few words, for ``zbench tune``'s answer."""

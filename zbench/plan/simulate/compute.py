@@ -86,9 +86,9 @@ _MOVED_PER_INPUT_BYTE = {"copy": 2, "add": 3}
 def memory_bandwidth(cal: Rates, moved_bytes: float | None = None) -> float:
     """Bytes per second for a memory-bound operator that moves ``moved_bytes`` (reads and writes) per call: between
     the calibration's probes of nearby working sets (each size's median over ``copy`` and ``add``), since an
-    operator whose tensors stay in cache runs several times faster than one that streams from memory (2-core
-    machine: about 100 GB/s at 256 KiB, 26 at 1-16 MiB, 13 at 64 MiB); one size probed (an older calibration, a
-    datasheet), or no size asked: its median."""
+    operator whose tensors stay in cache runs several times faster than one that streams from memory (the 2-core
+    CPU machine, 2026-11-28: 83-115 GB/s at 256 KiB, 22-32 at 1-16 MiB, 12-13 at 64 MiB); one size probed (an
+    older calibration, a datasheet), or no size asked: its median."""
     if moved_bytes is None:
         return statistics.median(b.gb_s for b in cal.memory_bound) * 1e9
     by_size: dict[float, list[float]] = {}
