@@ -231,6 +231,9 @@ def test_calibrate_writes_a_profile_the_simulator_takes(cli, tmp_path):
     assert profile.gpus_per_node == 3 and profile.overlap == 0.0
     assert cal.mapped_gb_s is not None and cal.mapped_gb_s > 0  # a CPU rank's fresh pages, measured
     assert set(cal.overheads) == {overhead_key(i, s) for i, s in probed()}  # each built-in's host work, fitted
+    assert "fsdp-s2" in cal.overheads and "fsdp1-s0" in cal.overheads  # every stage of each, not a hand list
+    sizes = sorted({b.bytes for b in cal.memory_bound})
+    assert len(sizes) >= 2 and {b.op for b in cal.memory_bound} == {"copy", "add"}  # working sets from cache to RAM
     assert all(len(o.residuals_us) == 2 for o in cal.overheads.values())
     r = cli("plan", "--simulate", str(out), "--model", "tiny", "-i", "ddp", "-o", "none", "--gpus", "2", "--json")
     assert r.returncode == 0, r.stderr

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from zbench.cases import registry
 from zbench.cases.models import GPT
+from zbench.implementations import BUILTIN
 from zbench.plan.calibrate.timer import Timer
 from zbench.plan.simulate.calibration import Calibration, ImplementationOverhead, overhead_key
 from zbench.plan.simulate.compute import op_seconds
@@ -33,11 +34,6 @@ from zbench.plan.trace.ops import OpLedger
 from zbench.presets import GPTConfig
 from zbench.protocol import TrainSpec
 
-#: The built-ins probed, each at the stages it runs (``zbench.cases.registry``'s names). DeepSpeed, which ``zbench
-#: tune`` estimates from the reference engine's traces, is probed where it is installed, so that its estimate
-#: carries DeepSpeed's own host work rather than the stand-in's (``zbench.tune.deepspeed_estimate``).
-PROBED = (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3), ("fsdp", 3), ("fsdp1", 0), ("fsdp1", 2),
-          ("fsdp1", 3), ("torch_zero", 1), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3))  # fmt: skip
 DEPTHS = (2, 6)
 WIDTH, HEADS, VOCAB, TOKENS, BATCH = 32, 2, 128, 32, 4
 
@@ -76,8 +72,17 @@ def _probe_options(implementation: str, model: torch.nn.Module) -> dict[str, Any
 
 
 def probed() -> list[tuple[str, int]]:
-    """``PROBED`` less what cannot run on this install (DeepSpeed when it is not installed)."""
-    return [(impl, stage) for impl, stage in PROBED if registry.resolve(impl).capabilities.missing is None]
+    """The built-ins probed, each at every stage it runs (read off its capabilities, so that a stage added to an
+    implementation is probed with it: FSDP2's stage 2 was charged no host work until it was), less what cannot
+    run on this install. DeepSpeed, which ``zbench tune`` estimates from the reference engine's traces, is probed
+    where it is installed, so that its estimate carries DeepSpeed's own host work rather than the stand-in's
+    (``zbench.tune.deepspeed_estimate``)."""
+    out = []
+    for name in sorted(BUILTIN):
+        caps = registry.resolve(name).capabilities
+        if caps.missing is None:
+            out += [(name, stage) for stage in sorted(caps.stages)]
+    return out
 
 
 def probe() -> list[dict[str, Any]]:
