@@ -122,7 +122,7 @@ def runs(tmp_path_factory):
             smoke,
             *SHRINK,
             "-k",
-            "fsdp",
+            "fsdp-s3",
             "--launcher",
             "slurm",
             "--results",

@@ -49,7 +49,7 @@ def wait_for(predicate, timeout: float = 120.0, what: str = "") -> None:
 
 
 def test_harness_killed_mid_suite_then_resume(tmp_path):
-    suite = write_suite(tmp_path / "s.yaml", steps=30, impls="ddp, torch_zero, fsdp")
+    suite = write_suite(tmp_path / "s.yaml", steps=30, impls="ddp, torch_zero, {name: fsdp, stages: [3]}")
     results = tmp_path / "results"
     env = child_env()
     harness = subprocess.Popen(
