@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from zbench.cases import registry
 from zbench.cases.case import Case
-from zbench.tune.search import Candidate, best_per_implementation
+from zbench.tune.search import Candidate, best_per_implementation, options_key
 
 #: How many of the first pass's fastest setups get their options searched, besides each implementation's best.
 SEEDS = 3
@@ -118,4 +118,4 @@ def _better(variant: Candidate, seed: Candidate) -> bool:
 def _key(case: Case) -> tuple:
     """What tells two searched setups apart (a case id names neither the batch nor the options)."""
     return (case.case_id, case.micro_batch, case.grad_accum, case.activation_checkpointing,
-            repr(sorted(case.options.items())))  # fmt: skip
+            options_key(case))  # fmt: skip

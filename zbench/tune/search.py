@@ -299,7 +299,12 @@ def _siblings(case: Case) -> tuple:
     the two are not compared; nor are two setups whose options differ (a ZeRO-3 prefetch of 2 holds more than a
     prefetch of 0 at a larger micro-batch)."""
     return (case.implementation, case.stage, case.offload, case.activation_checkpointing, case.grad_accum > 1,
-            repr(sorted(case.options.items())))  # fmt: skip
+            options_key(case))  # fmt: skip
+
+
+def options_key(case: Case) -> str:
+    """``case``'s options as a hashable key, whatever their order (a case id does not name them)."""
+    return repr(sorted(case.options.items()))
 
 
 def _judge(c: Candidate, t: Traced, cluster: Cluster, limits: Limits) -> None:
