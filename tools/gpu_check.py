@@ -1,0 +1,397 @@
+"""Check zbench on one GPU: its steps in priority order, each time-boxed, each one status line with figures.
+
+Run it through ``tools/gpu-check.sh``, which puts the wheels the machine lacks on the path first. Standard library
+only, so that it starts on any Python with torch. Every step runs zbench as a user would (``python -m zbench``,
+``python -m pytest``) from this checkout, writes its log, and is judged on what it wrote; a step that fails or
+runs out of time never stops the next. At the end the folder given as ``--out`` holds at most 8 files:
+
+- ``summary.txt``: one line per step (status, wall time, figures), then the GPU time used;
+- ``summary.json``: the same with every figure, which ``--rerun`` reads to run only the steps that did not pass;
+- ``logs.tar.gz``: each step's output;
+- ``results.tar.gz``: the runs' records and reports, the calibration, the trace and the profiler trace.
+
+The figures are what docs/gpu-check.md records for each GPU it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITE = ROOT / "suites" / "gpu-check.yaml"
+BIG_MODEL = "gpt-1.3b"
+#: gpt-1.3b in bf16 without offload, where MFU means something: no fp32 probe (the gpt-125m suite probes every
+#: implementation in fp32), so its steps are all bf16 ones.
+BIG_SUITE_SETTINGS = [f"models=[{BIG_MODEL}]", "precisions=[bf16]", "offload=[none]", "fp32_probe=false"]
+PROFILED_CASE = "gpt-125m-zero3-s3-w1-bf16-none"
+GIB = 1024**3
+
+
+@dataclass
+class Context:
+    """Where a step writes, how long it may take, and what earlier steps left for later ones."""
+
+    work: Path
+    dry_run: bool
+    deadline: float
+    shared: dict[str, object] = field(default_factory=dict)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def log(self, step: str) -> Path:
+        (self.work / "logs").mkdir(parents=True, exist_ok=True)
+        return self.work / "logs" / f"{step}.log"
+
+
+@dataclass
+class Outcome:
+    status: str  # pass | fail | timeout | skipped
+    text: str
+    figures: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    box_s: float
+    run: Callable[[Context], Outcome]
+    what: str
+
+
+def zbench_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "zbench", *args]
+
+
+def call(cmd: list[str], log: Path, timeout: float, *, stdout: Path | None = None) -> tuple[int | None, str]:
+    """Run ``cmd`` with the output in ``log`` (stdout in ``stdout`` where given); ``None`` as the code: timed out."""
+    with open(log, "a") as err, open(stdout or log, "a") as out:
+        err.write(f"$ {' '.join(cmd)}\n")
+        err.flush()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=err, timeout=max(timeout, 1), check=False)
+        except subprocess.TimeoutExpired:
+            return None, log.read_text()[-2000:]
+    return proc.returncode, log.read_text()[-2000:]
+
+
+def failed(code: int | None, tail: str, box: float) -> Outcome:
+    if code is None:
+        return Outcome("timeout", f"ran past its {box:.0f} s box")
+    last = [line for line in tail.splitlines() if line.strip()][-1:] or ["(no output)"]
+    return Outcome("fail", f"exit {code}: {last[0][:200]}")
+
+
+def run_records(results: Path) -> list[dict]:
+    """Every case record of the newest run under ``results``."""
+    runs = sorted(p for p in results.glob("*") if (p / "cases").is_dir())
+    if not runs:
+        return []
+    return [json.loads(p.read_text()) for p in sorted((runs[-1] / "cases").glob("*.json"))]
+
+
+def setup(implementation: str, stage: int, offload: str) -> str:
+    """``zero3-s3+optimizer``: a case's or a traced row's setup (model, precision and world are the suite's)."""
+    return f"{implementation}-s{stage}" + ("" if offload == "none" else f"+{offload}")
+
+
+def record_setup(record: dict) -> str:
+    config = record["config"]
+    return setup(config["implementation"], config["stage"], config["offload"])
+
+
+def case_figures(record: dict) -> dict[str, object]:
+    summary, memory, energy = record.get("summary") or {}, record.get("memory") or {}, record.get("energy") or {}
+    return {
+        "status": record["status"],
+        "equivalent": (record.get("equivalence") or {}).get("equivalent"),
+        "step_ms": round(summary["step_time_median_s"] * 1e3, 2) if summary.get("step_time_median_s") else None,
+        "ratio_to_ddp": record.get("ratio_to_ddp"),
+        "mfu": (record.get("throughput") or {}).get("mfu"),
+        "allocator_peak_gib": round(memory["peak_bytes"] / GIB, 3) if memory.get("peak_bytes") else None,
+        "nvml_peak_gib": round(energy["peak_used_bytes"] / GIB, 3) if energy.get("peak_used_bytes") else None,
+        "energy_per_step_j": energy.get("energy_per_step_j"),
+        "error": (record.get("error") or "")[:300] or None,
+    }
+
+
+def judge_suite(ctx: Context, name: str, settings: list[str], box: float, select: str | None = None) -> Outcome:
+    """``zbench run`` the GPU suite with ``settings`` (only ``select`` and its references, where given); pass when
+    every case that ran is ok and equivalent."""
+    results, report = ctx.work / f"results-{name}", ctx.work / f"report-{name}"
+    sets = [a for s in settings for a in ("--set", s)] + (["-k", select] if select else [])
+    if ctx.dry_run:
+        code, tail = call(zbench_cmd("run", str(SUITE), "--dry-run", "--set", "device=auto", *sets), ctx.log(name), box)
+        return Outcome("skipped", "dry run: cases listed, none run") if code == 0 else failed(code, tail, box)
+    code, tail = call(
+        zbench_cmd("run", str(SUITE), "--results", str(results), "--report", str(report), *sets), ctx.log(name), box
+    )
+    records = [r for r in run_records(results) if r["status"] != "skipped"]
+    ctx.shared[name] = records
+    figures = {record_setup(r): case_figures(r) for r in records}
+    bad = [k for k, f in figures.items() if f["status"] != "ok" or f["equivalent"] is False]
+    ok = len(records) - len(bad)
+    text = f"{ok}/{len(records)} cases ok and equivalent" + (f"; not: {', '.join(bad)}" if bad else "")
+    if code is None:
+        return Outcome("timeout", f"ran past its {box:.0f} s box; {text}", figures)
+    return Outcome("pass" if code == 0 and not bad and records else "fail", text, figures)
+
+
+def step_env(ctx: Context) -> Outcome:
+    out = ctx.work / "env.json"
+    code, tail = call(zbench_cmd("env", "--json"), ctx.log("env"), 60, stdout=out)
+    if code != 0:
+        return failed(code, tail, 60)
+    info = json.loads(out.read_text())
+    figures = {k: info.get(k) for k in ("torch", "cuda", "gpus", "gpu_count", "cuda_available", "python")}
+    figures["driver"] = (info.get("nvml") or {}).get("driver")
+    gpus = info.get("gpus") or ["no GPU"]
+    text = f"{gpus[0]} x{info.get('gpu_count', 0)}, torch {info.get('torch')}, driver {figures['driver']}"
+    usable = info.get("cuda_available") or ctx.dry_run
+    return Outcome("pass" if usable else "fail", text if usable else f"no usable GPU: {text}", figures)
+
+
+def step_big_suite(ctx: Context) -> Outcome:
+    outcome = judge_suite(ctx, "suite-1.3b", BIG_SUITE_SETTINGS, ctx.left())
+    if outcome.figures:
+        mfu = ", ".join(f"{k} {f['mfu']:.0%}" for k, f in outcome.figures.items() if f["mfu"])
+        outcome.text += f"; MFU {mfu}" if mfu else ""
+    return outcome
+
+
+def step_tests(ctx: Context) -> Outcome:
+    junit = ctx.work / "test_gpu.xml"
+    box = min(240.0, ctx.left())
+    cmd = [sys.executable, "-m", "pytest", "tests/test_gpu.py", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    code, tail = call(cmd, ctx.log("tests"), box)
+    if not junit.exists():
+        return failed(code, tail, box)
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    figures = {"passed": passed, **counts}
+    text = f"{passed} passed, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped"
+    if code is None:
+        return Outcome("timeout", text, figures)
+    if ctx.dry_run:
+        return Outcome("skipped" if passed == 0 and code == 0 else "fail", f"dry run: {text}", figures)
+    return Outcome("pass" if code == 0 and passed else "fail", text, figures)
+
+
+def step_small_suite(ctx: Context) -> Outcome:
+    return judge_suite(ctx, "suite-125m", [], ctx.left())
+
+
+def step_profile(ctx: Context) -> Outcome:
+    """One case with a torch.profiler trace of its step 5: are CUDA kernels in it?"""
+    settings = ["profile.steps=[5]", "fp32_probe=false", "paired_rounds=0"]
+    outcome = judge_suite(ctx, "profile", settings, ctx.left(), select=PROFILED_CASE)
+    if ctx.dry_run or outcome.status != "pass":
+        return outcome
+    traces = sorted((ctx.work / "results-profile").glob(f"*/profiles/{PROFILED_CASE}/*.json*"))
+    if not traces:
+        return Outcome("fail", f"no trace of {PROFILED_CASE} written", outcome.figures)
+    opener = gzip.open if traces[0].suffix == ".gz" else open
+    with opener(traces[0], "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    kernels = sum(1 for e in events if e.get("cat") == "kernel")
+    text = f"{kernels} CUDA kernels in {traces[0].name} ({traces[0].stat().st_size / 1e6:.1f} MB)"
+    return Outcome("pass" if kernels else "fail", text, {"kernels": kernels, "events": len(events)})
+
+
+# -- the trace runs on fake tensors (CPU only) from the start, beside the GPU steps ------------------------------
+
+
+def start_trace(ctx: Context) -> None:
+    out, log = ctx.work / "trace-1.3b.json", ctx.log("trace")
+    cmd = zbench_cmd(
+        "plan", "--trace", "--model", BIG_MODEL, "--gpus", "1", "--precision", "bf16", "--micro-batch", "8",
+        "--seq-len", "1024", "--device", "auto" if ctx.dry_run else "cuda", "-o", "none", "--json",
+    )  # fmt: skip
+    with open(log, "w") as err, open(out, "w") as stdout:
+        err.write(f"$ {' '.join(cmd)}\n")
+        err.flush()
+        ctx.shared["trace_proc"] = subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=err)
+
+
+def step_trace(ctx: Context) -> Outcome:
+    """Each setup's traced peak on fake cuda against the real allocator peak of the same case at gpt-1.3b."""
+    proc = ctx.shared.get("trace_proc")
+    if not isinstance(proc, subprocess.Popen):
+        start_trace(ctx)
+        proc = ctx.shared["trace_proc"]
+    assert isinstance(proc, subprocess.Popen)
+    try:
+        code = proc.wait(timeout=max(ctx.left(), 1))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return Outcome("timeout", "the trace ran past the check's budget")
+    if code != 0:
+        return failed(code, ctx.log("trace").read_text()[-2000:], 0)
+    rows = json.loads((ctx.work / "trace-1.3b.json").read_text())["rows"]
+    traced = {
+        setup(r["implementation"], r["stage"], r["offload"]): r["trace"]["peak"]["device"]["bytes"]
+        for r in rows
+        if r.get("trace") and not r["trace"].get("error")
+    }
+    errors = [r["name"] for r in rows if (r.get("trace") or {}).get("error")]
+    measured = {
+        record_setup(r): r["memory"]["peak_bytes"]
+        for r in ctx.shared.get("suite-1.3b", [])  # type: ignore[union-attr]
+        if r["status"] == "ok" and (r.get("memory") or {}).get("kind") == "cuda_allocated"
+    }
+    figures: dict[str, object] = {
+        name: {
+            "traced_gib": round(peak / GIB, 3),
+            "allocator_gib": round(measured[name] / GIB, 3) if name in measured else None,
+            "error": round(peak / measured[name] - 1, 4) if name in measured else None,
+        }
+        for name, peak in traced.items()
+    }
+    compared = {k: v["error"] for k, v in figures.items() if isinstance(v, dict) and v["error"] is not None}
+    text = f"{len(traced)} setups traced" + (f", {len(errors)} not: {', '.join(errors)}" if errors else "")
+    if compared:
+        worst = max(compared, key=lambda k: abs(compared[k]))  # type: ignore[arg-type]
+        text += f"; traced vs allocator peak: worst {worst} {compared[worst]:+.1%}"
+    elif not ctx.dry_run:
+        text += "; no real peaks to compare (suite-1.3b did not run here)"
+    return Outcome("pass" if traced and not errors else "fail", text, figures)
+
+
+def step_simulate(ctx: Context) -> Outcome:
+    """Calibrate this GPU (quick), then predict the gpt-125m offload cases and hold them against their step times."""
+    profile = ctx.work / "gpu-profile.yaml"
+    nvme = ctx.work / "nvme"
+    nvme.mkdir(exist_ok=True)
+    log, box = ctx.log("simulate"), ctx.left()
+    if not ctx.dry_run:
+        cmd = zbench_cmd("calibrate", "--quick", "--base", "h100-sxm", "--nvme-dir", str(nvme), "--out", str(profile))
+        code, tail = call(cmd, log, ctx.left())
+        if code != 0:
+            return failed(code, tail, box)
+    out = ctx.work / "simulate-125m.json"
+    impls = [a for i in ("zero2", "zero3") for a in ("-i", i)]
+    modes = [a for m in ("none", "optimizer", "optimizer+params", "nvme") for a in ("-o", m)]
+    cmd = zbench_cmd(
+        "plan", "--simulate", "h100-sxm" if ctx.dry_run else str(profile), "--model", "gpt-125m", "--gpus", "1",
+        "--scale", "1", "--precision", "bf16", "--micro-batch", "8", "--seq-len", "1024", *impls, *modes, "--json",
+    )  # fmt: skip
+    code, tail = call(cmd, log, ctx.left(), stdout=out)
+    if code != 0:
+        return failed(code, tail, box)
+    predicted = {
+        setup(r["implementation"], r["stage"], r["offload"]): r["estimates"][0]["step_s"]
+        for r in json.loads(out.read_text())["rows"]
+        if r.get("estimates")
+    }
+    measured = {
+        record_setup(r): r["summary"]["step_time_median_s"]
+        for r in ctx.shared.get("suite-125m", [])  # type: ignore[union-attr]
+        if r["status"] == "ok" and r["config"]["implementation"] in {"zero2", "zero3"}
+    }
+    figures = {
+        k: {"predicted_ms": round(p * 1e3, 2), "measured_ms": round(measured[k] * 1e3, 2) if k in measured else None}
+        for k, p in predicted.items()
+    }
+    errors = {k: p / measured[k] - 1 for k, p in predicted.items() if k in measured}
+    if not errors:
+        text = f"{len(predicted)} setups predicted; no measured step times to compare (suite-125m did not run here)"
+        return Outcome("skipped" if ctx.dry_run else "fail", text, figures)
+    offload = {k: e for k, e in errors.items() if "+" in k}
+    median = sorted(abs(e) for e in errors.values())[len(errors) // 2]
+    text = f"{len(errors)} setups, |error| median {median:.0%}; offload: " + ", ".join(
+        f"{k} {e:+.0%}" for k, e in sorted(offload.items())
+    )
+    return Outcome("pass", text, figures)
+
+
+STEPS = [
+    Step("env", 60, step_env, "zbench env: the GPU, torch, CUDA, the nvml driver"),
+    Step("suite-1.3b", 150, step_big_suite, f"{BIG_MODEL} bf16, every implementation, world 1: MFU, ratios, peaks"),
+    Step("tests", 240, step_tests, "pytest tests/test_gpu.py"),
+    Step("suite-125m", 180, step_small_suite, "gpt-125m bf16 (fp32 probes) x every offload mode each supports"),
+    Step("profile", 90, step_profile, f"{PROFILED_CASE} with a torch.profiler trace of step 5"),
+    Step("trace", 60, step_trace, f"plan --trace on fake cuda at {BIG_MODEL} against each real allocator peak"),
+    Step("simulate", 90, step_simulate, "calibrate --quick, then gpt-125m offload step times against the simulator"),
+]
+
+
+def bundle(ctx: Context, out: Path) -> None:
+    """At most 8 files: the summaries are written by the caller, the rest goes into two archives."""
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        tar.add(ctx.work / "logs", arcname="logs")
+    with tarfile.open(out / "results.tar.gz", "w:gz") as tar:
+        for path in sorted(ctx.work.iterdir()):
+            if path.name not in {"logs", "nvme"}:
+                tar.add(path, arcname=path.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for the (at most 8) result files")
+    parser.add_argument("--budget", type=float, default=300, help="seconds for the whole check (default 300)")
+    parser.add_argument("--steps", help=f"comma-separated steps to run (of {', '.join(s.name for s in STEPS)})")
+    parser.add_argument("--rerun", type=Path, help="a summary.json: run only the steps that did not pass there")
+    parser.add_argument("--dry-run", action="store_true", help="run only what a machine without a GPU can")
+    args = parser.parse_args(argv)
+    names = [s.name for s in STEPS]
+    chosen = set(names)
+    if args.steps:
+        chosen = set(args.steps.split(","))
+    if args.rerun:
+        chosen = {s["name"] for s in json.loads(args.rerun.read_text())["steps"] if s["status"] != "pass"}
+    if unknown := chosen - set(names):
+        print(f"gpu-check: unknown step(s) {', '.join(sorted(unknown))}; the steps: {', '.join(names)}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="zbench-gpu-check-"))
+    start = time.monotonic()
+    ctx = Context(work=work, dry_run=args.dry_run, deadline=start + args.budget)
+    if "trace" in chosen:
+        start_trace(ctx)  # CPU only: beside the GPU steps from the start
+    lines, records = [], []
+    for step in STEPS:
+        if step.name not in chosen:
+            continue
+        t0 = time.monotonic()
+        if ctx.left() < 5:
+            outcome = Outcome("skipped", "the check's budget was spent")
+        else:
+            box = min(step.box_s, ctx.left())
+            inner = Context(work, args.dry_run, min(ctx.deadline, t0 + box), ctx.shared)
+            try:
+                outcome = step.run(inner)
+            except Exception as exc:  # a fault in reading a step's output is that step's failure, not the check's
+                outcome = Outcome("fail", f"{type(exc).__name__}: {exc}"[:300])
+        wall = time.monotonic() - t0
+        line = f"{step.name:<11} {outcome.status:<8} {wall:6.1f} s  {outcome.text}"
+        print(line, flush=True)
+        lines.append(line)
+        records.append({"name": step.name, "status": outcome.status, "wall_s": round(wall, 1), "text": outcome.text,
+                        "figures": outcome.figures})  # fmt: skip
+    total = time.monotonic() - start
+    lines.append(f"total {total:.0f} s of a {args.budget:.0f} s budget; work folder {work}")
+    (args.out / "summary.txt").write_text("\n".join(lines) + "\n")
+    summary = {"created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dry_run": args.dry_run,
+               "total_s": round(total, 1), "steps": records}  # fmt: skip
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    bundle(ctx, args.out)
+    print(lines[-1])
+    return 0 if all(r["status"] in {"pass", "skipped"} for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
