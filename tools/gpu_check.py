@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import subprocess
 import sys
 import tarfile
@@ -354,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rerun:
         chosen = {s["name"] for s in json.loads(args.rerun.read_text())["steps"] if s["status"] != "pass"}
     if unknown := chosen - set(names):
-        print(f"gpu-check: unknown step(s) {', '.join(sorted(unknown))}; the steps: {', '.join(names)}", file=sys.stderr)
+        print(
+            f"gpu-check: unknown step(s) {', '.join(sorted(unknown))}; the steps: {', '.join(names)}", file=sys.stderr
+        )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="zbench-gpu-check-"))

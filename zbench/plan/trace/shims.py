@@ -46,8 +46,9 @@ optimizer step, offload copies) runs unchanged.
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any, overload
 
@@ -75,10 +76,35 @@ _allreduce_bucket.__annotations__["bucket"] = dist.GradBucket
 _allreduce_bucket.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
-def _rebuilt_bucket_sizes(config: Any, **_: object) -> tuple[list[int], list[int]]:
-    """The bucket caps DDP uses when it rebuilds its buckets, for its first buckets too."""
-    first, cap = config.first_bucket_bytes_cap, config.bucket_bytes_cap
-    return ([first, cap] if first < cap else [cap]), []
+def _rebuilt_bucket_limits(bucket_cap_mb: float | None) -> list[int]:
+    """The bucket caps DDP rebuilds its buckets with (1 MB first, then ``bucket_cap_mb`` each; a cap given
+    explicitly applies to the first bucket too), worked out from DDP's argument as DDP itself does. Read from the
+    argument, not from DDP's attributes, which moved between torch releases (2.13 keeps them in a config object)."""
+    cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
+    first = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    return [first, cap] if first < cap else [cap]
+
+
+def _buckets_as_rebuilt(ddp_init: Callable[..., None]) -> Callable[..., None]:
+    """``DistributedDataParallel.__init__`` that assigns its first buckets with the rebuilt caps (and, since the
+    reducer's replies carry nothing, hooks the all-reduce and keeps the buckets; see the module's docstring)."""
+    signature = inspect.signature(ddp_init)
+    assign = dist._compute_bucket_assignment_by_size
+
+    def init(self: ddp_module.DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        limits = _rebuilt_bucket_limits(arguments.get("bucket_cap_mb"))
+        if arguments.get("bucket_cap_mb_list"):  # caps per bucket, given (torch >= 2.13): DDP uses them from the start
+            ddp_init(self, *args, **kwargs)
+        else:
+            with patched(
+                dist, "_compute_bucket_assignment_by_size", lambda params, _, *rest: assign(params, limits, *rest)
+            ):
+                ddp_init(self, *args, **kwargs)
+        self.register_comm_hook(None, _allreduce_bucket)
+        self.reducer = _KeepBuckets(self.reducer)  # type: ignore[assignment]  # a proxy for DDP's Python side
+
+    return init
 
 
 class _KeepBuckets:
@@ -165,24 +191,21 @@ def fake_world(world: int, rank: int = 0, *, backend: str = "nccl") -> Iterator[
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process; tracing needs its own")
     mesh_from_group = DeviceMesh.from_group
-    ddp_init = ddp_module.DistributedDataParallel.__init__
 
     def real_mesh(*args: Any, **kwargs: Any) -> DeviceMesh:
         with unset_fake_temporarily():
             return mesh_from_group(*args, **kwargs)
-
-    def ddp_with_hook(self: ddp_module.DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
-        ddp_init(self, *args, **kwargs)
-        self.register_comm_hook(None, _allreduce_bucket)
-        self.reducer = _KeepBuckets(self.reducer)  # type: ignore[assignment]  # a proxy for DDP's Python side
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         with (
             patched(DeviceMesh, "from_group", staticmethod(real_mesh)),
             patched(ddp_module, "_verify_param_shape_across_processes", lambda *a, **k: None),
-            patched(ddp_module.DistributedDataParallel, "__init__", ddp_with_hook),
-            patched(ddp_module._BucketCapacityConfig, "compute_bucket_size_limits", _rebuilt_bucket_sizes),
+            patched(
+                ddp_module.DistributedDataParallel,
+                "__init__",
+                _buckets_as_rebuilt(ddp_module.DistributedDataParallel.__init__),
+            ),
             patched(dist, "get_backend", lambda group=None: backend),
             patched(dist.Work, "is_completed", lambda self: True),
             patched(fsdp_param_module, "_chunk_with_empty", _LazyChunks),
