@@ -128,6 +128,8 @@ steps: 8
 warmup_steps: 2
 timeout_s: 300
 nvme_dir: {nvme}
+noise_twin: false
+fp32_probe: false
 """
 
 

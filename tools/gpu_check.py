@@ -31,9 +31,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "suites" / "gpu-check.yaml"
 BIG_MODEL = "gpt-1.3b"
-#: gpt-1.3b in bf16 without offload, where MFU means something: no fp32 probe (the gpt-125m suite probes every
-#: implementation in fp32), so its steps are all bf16 ones.
-BIG_SUITE_SETTINGS = [f"models=[{BIG_MODEL}]", "precisions=[bf16]", "offload=[none]", "fp32_probe=false"]
+#: gpt-1.3b in bf16 without offload, where MFU means something. No fp32 probe (the gpt-125m suite probes every
+#: implementation in fp32) and no paired rounds (one GPU, nothing beside it: each case's median is steady enough,
+#: and the rounds' DDP copy of a 1.3B model costs seconds to build). On the first H200 run a case took 51 s (30 s of
+#: it building, moving and training, the rest saving its parameters for the verdict), so the implementations come
+#: in the order their figures matter; cases the box leaves out are named, and ``--rerun`` runs just those.
+BIG_SUITE_SETTINGS = [
+    f"models=[{BIG_MODEL}]", "precisions=[bf16]", "offload=[none]", "fp32_probe=false", "paired_rounds=0",
+    "implementations=[ddp, zero3, fsdp, zero1, zero2, deepspeed, fsdp1, torch_zero]",
+]  # fmt: skip
 PROFILED_CASE = "gpt-125m-zero3-s3-w1-bf16-none"
 GIB = 1024**3
 
@@ -46,6 +52,8 @@ class Context:
     dry_run: bool
     deadline: float
     shared: dict[str, object] = field(default_factory=dict)
+    previous: dict[str, dict] = field(default_factory=dict)
+    """Each step's figures in the summary ``--rerun`` read: a suite step runs only the cases it left out there."""
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -93,12 +101,13 @@ def failed(code: int | None, tail: str, box: float) -> Outcome:
     return Outcome("fail", f"exit {code}: {last[0][:200]}")
 
 
-def run_records(results: Path) -> list[dict]:
-    """Every case record of the newest run under ``results``."""
-    runs = sorted(p for p in results.glob("*") if (p / "cases").is_dir())
+def run_records(results: Path) -> tuple[list[str], list[dict]]:
+    """The newest run under ``results``: the cases it planned (in order) and every case record it stored."""
+    runs = sorted(p for p in results.glob("*") if (p / "run.json").is_file())
     if not runs:
-        return []
-    return [json.loads(p.read_text()) for p in sorted((runs[-1] / "cases").glob("*.json"))]
+        return [], []
+    planned = json.loads((runs[-1] / "run.json").read_text()).get("case_order", [])
+    return planned, [json.loads(p.read_text()) for p in sorted((runs[-1] / "cases").glob("*.json"))]
 
 
 def setup(implementation: str, stage: int, offload: str) -> str:
@@ -127,25 +136,33 @@ def case_figures(record: dict) -> dict[str, object]:
 
 
 def judge_suite(ctx: Context, name: str, settings: list[str], box: float, select: str | None = None) -> Outcome:
-    """``zbench run`` the GPU suite with ``settings`` (only ``select`` and its references, where given); pass when
-    every case that ran is ok and equivalent."""
+    """``zbench run`` the GPU suite with ``settings`` (only ``select`` and its references, where given, or only
+    the cases an earlier run of this step left out); pass when every case ran, ok and equivalent."""
     results, report = ctx.work / f"results-{name}", ctx.work / f"report-{name}"
-    sets = [a for s in settings for a in ("--set", s)] + (["-k", select] if select else [])
+    left_out = (ctx.previous.get(name) or {}).get("not_run") or []
+    selects = [select] if select else left_out
+    sets = [a for s in settings for a in ("--set", s)] + [a for k in selects for a in ("-k", k)]
     if ctx.dry_run:
         code, tail = call(zbench_cmd("run", str(SUITE), "--dry-run", "--set", "device=auto", *sets), ctx.log(name), box)
         return Outcome("skipped", "dry run: cases listed, none run") if code == 0 else failed(code, tail, box)
     code, tail = call(
         zbench_cmd("run", str(SUITE), "--results", str(results), "--report", str(report), *sets), ctx.log(name), box
     )
-    records = [r for r in run_records(results) if r["status"] != "skipped"]
-    ctx.shared[name] = records
-    figures = {record_setup(r): case_figures(r) for r in records}
-    bad = [k for k, f in figures.items() if f["status"] != "ok" or f["equivalent"] is False]
-    ok = len(records) - len(bad)
-    text = f"{ok}/{len(records)} cases ok and equivalent" + (f"; not: {', '.join(bad)}" if bad else "")
+    planned, records = run_records(results)
+    ran = [r for r in records if r["status"] != "skipped"]
+    ctx.shared[name] = ran
+    figures: dict[str, object] = {record_setup(r): case_figures(r) for r in ran}
+    not_run = [c for c in planned if c not in {r["case_id"] for r in records}]
+    figures["not_run"] = not_run
+    bad = [
+        record_setup(r) for r in ran if r["status"] != "ok" or (r.get("equivalence") or {}).get("equivalent") is False
+    ]
+    text = f"{len(ran) - len(bad)}/{len(ran)} cases ok and equivalent" + (f"; not: {', '.join(bad)}" if bad else "")
+    if not_run:
+        text += f"; {len(not_run)} not run ({', '.join(not_run[:3])}{', ...' if len(not_run) > 3 else ''})"
     if code is None:
         return Outcome("timeout", f"ran past its {box:.0f} s box; {text}", figures)
-    return Outcome("pass" if code == 0 and not bad and records else "fail", text, figures)
+    return Outcome("pass" if code == 0 and not bad and ran and not not_run else "fail", text, figures)
 
 
 def step_env(ctx: Context) -> Outcome:
@@ -154,7 +171,7 @@ def step_env(ctx: Context) -> Outcome:
     if code != 0:
         return failed(code, tail, 60)
     info = json.loads(out.read_text())
-    figures = {k: info.get(k) for k in ("torch", "cuda", "gpus", "gpu_count", "cuda_available", "python")}
+    figures = {k: info.get(k) for k in ("torch", "cuda_version", "gpus", "gpu_count", "cuda_available", "python")}
     figures["driver"] = (info.get("nvml") or {}).get("driver")
     gpus = info.get("gpus") or ["no GPU"]
     text = f"{gpus[0]} x{info.get('gpu_count', 0)}, torch {info.get('torch')}, driver {figures['driver']}"
@@ -165,7 +182,8 @@ def step_env(ctx: Context) -> Outcome:
 def step_big_suite(ctx: Context) -> Outcome:
     outcome = judge_suite(ctx, "suite-1.3b", BIG_SUITE_SETTINGS, ctx.left())
     if outcome.figures:
-        mfu = ", ".join(f"{k} {f['mfu']:.0%}" for k, f in outcome.figures.items() if f["mfu"])
+        cases = {k: f for k, f in outcome.figures.items() if isinstance(f, dict) and f.get("mfu")}
+        mfu = ", ".join(f"{k} {f['mfu']:.0%}" for k, f in cases.items())
         outcome.text += f"; MFU {mfu}" if mfu else ""
     return outcome
 
@@ -328,14 +346,47 @@ STEPS = [
 ]
 
 
-def bundle(ctx: Context, out: Path) -> None:
-    """At most 8 files: the summaries are written by the caller, the rest goes into two archives."""
-    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
-        tar.add(ctx.work / "logs", arcname="logs")
-    with tarfile.open(out / "results.tar.gz", "w:gz") as tar:
-        for path in sorted(ctx.work.iterdir()):
-            if path.name not in {"logs", "nvme"}:
-                tar.add(path, arcname=path.name)
+#: What comes back from a lent GPU machine: at most 16 MiB a file (docs/gpu-check.md); a bundle is kept under it.
+BUNDLE_LIMIT = 15 * 1024**2
+#: Seconds of the budget kept for the bundles (a second-long tar of logs and records, minus the parameters).
+BUNDLE_RESERVE_S = 15
+
+
+def bundle(work: Path, out: Path) -> list[str]:
+    """``logs.tar.gz`` and ``results.tar.gz`` in ``out``, without the parameter files (GBs at gpt-1.3b, read
+    already by the verdicts) and the NVMe swap; the largest files go until a bundle is under the limit, named."""
+    left_out: list[str] = []
+    results = [p for p in sorted(work.iterdir()) if p.name not in {"logs", "nvme"}]
+    for name, paths in (("logs", [work / "logs"]), ("results", results)):
+        found = (f for p in paths for f in ([p] if p.is_file() else sorted(p.rglob("*"))))
+        files = sorted((f for f in found if f.is_file() and f.suffix != ".pt"), key=lambda f: f.stat().st_size)
+        while True:
+            with tarfile.open(out / f"{name}.tar.gz", "w:gz") as tar:
+                for f in files:
+                    tar.add(f, arcname=str(f.relative_to(work)))
+            if (out / f"{name}.tar.gz").stat().st_size <= BUNDLE_LIMIT or not files:
+                break
+            largest = files.pop()
+            left_out.append(f"{largest.relative_to(work)} ({largest.stat().st_size / 1e6:.1f} MB)")
+    return left_out
+
+
+def steps_to_run(steps: str | None, rerun: Path | None) -> tuple[set[str], dict[str, dict]]:
+    """The steps named (default: all), or those that did not pass in an earlier ``summary.json`` with their
+    figures (a suite step then runs only the cases it left out); ValueError for a step that does not exist."""
+    names = [s.name for s in STEPS]
+    chosen, previous = (set(steps.split(",")) if steps else set(names)), {}
+    if rerun:
+        try:
+            earlier = [s for s in json.loads(rerun.read_text())["steps"] if s["status"] != "pass"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"--rerun {rerun}: not a summary.json the check wrote ({type(exc).__name__}: {exc})"
+            ) from None
+        chosen, previous = {s["name"] for s in earlier}, {s["name"]: s["figures"] for s in earlier}
+    if unknown := chosen - set(names):
+        raise ValueError(f"unknown step(s) {', '.join(sorted(unknown))}; the steps: {', '.join(names)}")
+    return chosen, previous
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,21 +397,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", type=Path, help="a summary.json: run only the steps that did not pass there")
     parser.add_argument("--dry-run", action="store_true", help="run only what a machine without a GPU can")
     args = parser.parse_args(argv)
-    names = [s.name for s in STEPS]
-    chosen = set(names)
-    if args.steps:
-        chosen = set(args.steps.split(","))
-    if args.rerun:
-        chosen = {s["name"] for s in json.loads(args.rerun.read_text())["steps"] if s["status"] != "pass"}
-    if unknown := chosen - set(names):
-        print(
-            f"gpu-check: unknown step(s) {', '.join(sorted(unknown))}; the steps: {', '.join(names)}", file=sys.stderr
-        )
+    try:
+        chosen, previous = steps_to_run(args.steps, args.rerun)
+    except ValueError as exc:
+        print(f"gpu-check: {exc}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="zbench-gpu-check-"))
     start = time.monotonic()
-    ctx = Context(work=work, dry_run=args.dry_run, deadline=start + args.budget)
+    ctx = Context(work, args.dry_run, start + args.budget - BUNDLE_RESERVE_S, previous=previous)
     if "trace" in chosen:
         start_trace(ctx)  # CPU only: beside the GPU steps from the start
     lines, records = [], []
@@ -371,8 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         if ctx.left() < 5:
             outcome = Outcome("skipped", "the check's budget was spent")
         else:
-            box = min(step.box_s, ctx.left())
-            inner = Context(work, args.dry_run, min(ctx.deadline, t0 + box), ctx.shared)
+            inner = Context(work, args.dry_run, min(ctx.deadline, t0 + step.box_s), ctx.shared, previous)
             try:
                 outcome = step.run(inner)
             except Exception as exc:  # a fault in reading a step's output is that step's failure, not the check's
@@ -383,14 +427,19 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(line)
         records.append({"name": step.name, "status": outcome.status, "wall_s": round(wall, 1), "text": outcome.text,
                         "figures": outcome.figures})  # fmt: skip
+    trace = ctx.shared.get("trace_proc")
+    if isinstance(trace, subprocess.Popen) and trace.poll() is None:
+        trace.kill()  # its step never came (the budget): it must not outlive the check
+    left_out = bundle(work, args.out)
     total = time.monotonic() - start
     lines.append(f"total {total:.0f} s of a {args.budget:.0f} s budget; work folder {work}")
+    if left_out:
+        lines.append(f"left out of the bundles (over {BUNDLE_LIMIT // 1024**2} MiB): {', '.join(left_out)}")
     (args.out / "summary.txt").write_text("\n".join(lines) + "\n")
     summary = {"created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dry_run": args.dry_run,
-               "total_s": round(total, 1), "steps": records}  # fmt: skip
+               "total_s": round(total, 1), "left_out": left_out, "steps": records}  # fmt: skip
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    bundle(ctx, args.out)
-    print(lines[-1])
+    print("\n".join(lines[len(records) :]))
     return 0 if all(r["status"] in {"pass", "skipped"} for r in records) else 1
 
 
