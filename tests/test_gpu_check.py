@@ -98,3 +98,37 @@ def test_dry_run_lists_the_cases_and_skips_the_gpu_steps(tmp_path):
         listing = tar.extractfile("logs/suite-125m.log").read().decode()  # type: ignore[union-attr]
     assert case in listing and "gpt-125m-zero3-s3-w1-bf16-optimizer " not in listing
     assert "1 would run" in listing or "would run" in listing
+
+
+def test_trace_step_holds_each_traced_peak_against_the_same_cases_allocator_peak(tmp_path):
+    """The comparison the GPU's figures come from, on records as the runner writes them (the trace's own run is the
+    dry run's to prove): a traced row meets the case of the same implementation, stage and offload, and a row the
+    tracer could not trace fails the step by name."""
+    gib = 1024**3
+    rows = [
+        {"name": "ddp (stage 0)", "implementation": "ddp", "stage": 0, "offload": "none",
+         "trace": {"error": None, "peak": {"device": {"bytes": 10 * gib}}}},
+        {"name": "zero3 (stage 3)", "implementation": "zero3", "stage": 3, "offload": "none",
+         "trace": {"error": None, "peak": {"device": {"bytes": 6 * gib}}}},
+    ]  # fmt: skip
+    (tmp_path / "trace-1.3b.json").write_text(json.dumps({"rows": rows}))
+    measured = [
+        {"status": "ok", "config": {"implementation": "ddp", "stage": 0, "offload": "none"},
+         "memory": {"kind": "cuda_allocated", "peak_bytes": 8 * gib}},
+        {"status": "ok", "config": {"implementation": "zero3", "stage": 3, "offload": "optimizer"},
+         "memory": {"kind": "cuda_allocated", "peak_bytes": 1 * gib}},  # another setup: not compared
+    ]  # fmt: skip
+    (tmp_path / "logs").mkdir()
+    ctx = gpu_check.Context(tmp_path, dry_run=False, deadline=float("inf"))
+    ctx.shared = {"trace_proc": subprocess.Popen(["true"]), "suite-1.3b": measured}
+    outcome = gpu_check.step_trace(ctx)
+    assert outcome.status == "pass", outcome.text
+    assert outcome.figures["ddp-s0"] == {"traced_gib": 10.0, "allocator_gib": 8.0, "error": 0.25}
+    assert outcome.figures["zero3-s3"]["allocator_gib"] is None
+    assert "worst ddp-s0 +25.0%" in outcome.text
+
+    rows[1]["trace"] = {"error": "RuntimeError: no", "peak": None}
+    (tmp_path / "trace-1.3b.json").write_text(json.dumps({"rows": rows}))
+    ctx.shared["trace_proc"] = subprocess.Popen(["true"])
+    outcome = gpu_check.step_trace(ctx)
+    assert outcome.status == "fail" and "1 not: zero3 (stage 3)" in outcome.text

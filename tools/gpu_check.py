@@ -24,9 +24,10 @@ import tarfile
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "suites" / "gpu-check.yaml"
@@ -51,7 +52,7 @@ class Context:
     work: Path
     dry_run: bool
     deadline: float
-    shared: dict[str, object] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)
     previous: dict[str, dict] = field(default_factory=dict)
     """Each step's figures in the summary ``--rerun`` read: a suite step runs only the cases it left out there."""
 
@@ -67,7 +68,7 @@ class Context:
 class Outcome:
     status: str  # pass | fail | timeout | skipped
     text: str
-    figures: dict[str, object] = field(default_factory=dict)
+    figures: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,7 @@ def step_trace(ctx: Context) -> Outcome:
     errors = [r["name"] for r in rows if (r.get("trace") or {}).get("error")]
     measured = {
         record_setup(r): r["memory"]["peak_bytes"]
-        for r in ctx.shared.get("suite-1.3b", [])  # type: ignore[union-attr]
+        for r in ctx.shared.get("suite-1.3b", [])
         if r["status"] == "ok" and (r.get("memory") or {}).get("kind") == "cuda_allocated"
     }
     figures: dict[str, object] = {
@@ -281,7 +282,7 @@ def step_trace(ctx: Context) -> Outcome:
     compared = {k: v["error"] for k, v in figures.items() if isinstance(v, dict) and v["error"] is not None}
     text = f"{len(traced)} setups traced" + (f", {len(errors)} not: {', '.join(errors)}" if errors else "")
     if compared:
-        worst = max(compared, key=lambda k: abs(compared[k]))  # type: ignore[arg-type]
+        worst = max(compared, key=lambda k: abs(compared[k]))
         text += f"; traced vs allocator peak: worst {worst} {compared[worst]:+.1%}"
     elif not ctx.dry_run:
         text += "; no real peaks to compare (suite-1.3b did not run here)"
@@ -316,7 +317,7 @@ def step_simulate(ctx: Context) -> Outcome:
     }
     measured = {
         record_setup(r): r["summary"]["step_time_median_s"]
-        for r in ctx.shared.get("suite-125m", [])  # type: ignore[union-attr]
+        for r in ctx.shared.get("suite-125m", [])
         if r["status"] == "ok" and r["config"]["implementation"] in {"zero2", "zero3"}
     }
     figures = {
