@@ -94,7 +94,7 @@ def _buckets_as_rebuilt(ddp_init: Callable[..., None]) -> Callable[..., None]:
     def init(self: ddp_module.DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
         arguments = signature.bind(self, *args, **kwargs).arguments
         limits = _rebuilt_bucket_limits(arguments.get("bucket_cap_mb"))
-        if arguments.get("bucket_cap_mb_list"):  # caps per bucket, given (torch >= 2.13): DDP uses them from the start
+        if arguments.get("bucket_cap_mb_list"):  # caps per bucket, given: DDP uses them from its first step
             ddp_init(self, *args, **kwargs)
         else:
             with patched(
