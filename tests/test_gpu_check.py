@@ -97,7 +97,6 @@ def test_dry_run_lists_the_cases_and_skips_the_gpu_steps(tmp_path):
     with tarfile.open(out / "logs.tar.gz") as tar:
         listing = tar.extractfile("logs/suite-125m.log").read().decode()  # type: ignore[union-attr]
     assert case in listing and "gpt-125m-zero3-s3-w1-bf16-optimizer " not in listing
-    assert "1 would run" in listing or "would run" in listing
 
 
 def test_trace_step_holds_each_traced_peak_against_the_same_cases_allocator_peak(tmp_path):
