@@ -129,25 +129,55 @@ def stale_build_locks(root: Path | None = None, now: float | None = None) -> dic
     root = extension_build_root() if root is None else root
     now = time.time() if now is None else now
     found = {}
+    finished = set(finished_build_locks(root))
     for lock in root.glob("deepspeed*/lock"):
         try:
             age = now - lock.stat().st_mtime
         except OSError:  # released meanwhile
             continue
-        if age > STALE_BUILD_LOCK_S:
+        if age > STALE_BUILD_LOCK_S and lock not in finished:
             found[lock] = age
     return found
 
 
-def _prepare_environment(spec: TrainSpec) -> None:
-    """What DeepSpeed's launcher would have set, before ``deepspeed`` is first imported; and no stale build lock
-    for its ops to wait on (see ``stale_build_locks``)."""
+def finished_build_locks(root: Path | None = None) -> list[Path]:
+    """Lock files of DeepSpeed op builds that finished: the module the build wrote is newer than its lock.
+
+    Note: torch 2.14 leaves the lock file behind after every build (its lock is the kernel's, on the file), and
+    Python and CUDA alone name the folder: torch 2.11 and 2.14 built for CUDA 13.0 share one. A torch that waits
+    for the file to go (up to 2.13) would wait on such a leftover for ever; CI's first run on torch 2.11 after one
+    on 2.14 failed its DeepSpeed cases on one (2026-11-28). A build under way has no module newer than its lock.
+    """
+    root = extension_build_root() if root is None else root
+    finished = []
+    for lock in root.glob("deepspeed*/lock"):
+        try:
+            locked_at = lock.stat().st_mtime
+            if any(built.stat().st_mtime >= locked_at for built in lock.parent.glob("*.so")):
+                finished.append(lock)
+        except OSError:  # released meanwhile
+            continue
+    return finished
+
+
+def clear_build_locks() -> None:
+    """No build lock for DeepSpeed's ops to wait on for ever: a finished build's leftover is removed, and a killed
+    build's (``stale_build_locks``) fails the case at once, naming the file."""
+    if lock_files_block():
+        for lock in finished_build_locks():
+            lock.unlink(missing_ok=True)
     if stale := stale_build_locks():
         lock, age = next(iter(stale.items()))
         raise RuntimeError(
             f"{lock} is {age / 60:.0f} minutes old: a DeepSpeed op build was killed and left its lock, on which "
             "this case would wait forever; delete the file and run again"
         )
+
+
+def _prepare_environment(spec: TrainSpec) -> None:
+    """What DeepSpeed's launcher would have set, before ``deepspeed`` is first imported; and no build lock for its
+    ops to wait on (``clear_build_locks``)."""
+    clear_build_locks()
     local = spec.device.index if spec.device.type == "cuda" and spec.device.index is not None else dist.get_rank()
     os.environ.setdefault("LOCAL_RANK", str(local))
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if spec.device.type == "cuda" else "cpu")

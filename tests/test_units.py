@@ -418,7 +418,6 @@ def test_a_deepspeed_build_lock_left_by_a_killed_build_is_refused_not_waited_on(
     import torch.utils.cpp_extension
 
     from zbench.implementations import deepspeed_zero
-    from zbench.protocol import TrainSpec
 
     lock = tmp_path / "deepspeed_shm_comm" / "lock"  # torch builds in $TORCH_EXTENSIONS_DIR itself when it is set
     lock.parent.mkdir(parents=True)
@@ -432,10 +431,45 @@ def test_a_deepspeed_build_lock_left_by_a_killed_build_is_refused_not_waited_on(
     assert list(deepspeed_zero.stale_build_locks()) == [lock]
     assert deepspeed_zero.stale_build_locks(now=old + 1) == {}
     with pytest.raises(RuntimeError, match=r"deepspeed_shm_comm/lock is 11 minutes old: .*delete the file"):
-        deepspeed_zero._prepare_environment(TrainSpec(device=torch.device("cpu"), stage=2))
+        deepspeed_zero.clear_build_locks()
     # torch 2.14 holds an advisory lock on the file and leaves the file after every build: never reported there
     monkeypatch.delattr(torch.utils.cpp_extension, "FileBaton")
     assert deepspeed_zero.stale_build_locks() == {}
+
+
+def test_a_lock_left_by_a_finished_build_is_removed_not_refused(tmp_path, monkeypatch):
+    """torch 2.14 leaves its lock file after every build, in the folder torch 2.11 (built for the same CUDA) uses
+    too; 2.11 waits for the file to go. A lock older than the module its build wrote is such a leftover: removed
+    before DeepSpeed loads, while one newer than the module (a rebuild under way) stays, and an old one without a
+    newer module is still a killed build's."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension
+
+    from zbench.implementations import deepspeed_zero
+
+    folder = tmp_path / "deepspeed_shm_comm"
+    folder.mkdir()
+    lock, built = folder / "lock", folder / "deepspeed_shm_comm.so"
+    lock.touch()
+    built.touch()
+    old = time.time() - deepspeed_zero.STALE_BUILD_LOCK_S - 60
+    os.utime(lock, (old, old))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.utils.cpp_extension, "FileBaton", object, raising=False)
+    assert deepspeed_zero.finished_build_locks() == [lock] and deepspeed_zero.stale_build_locks() == {}
+    deepspeed_zero.clear_build_locks()
+    assert not lock.exists() and built.exists()
+
+    lock.touch()  # a rebuild under way: its lock is newer than the module
+    deepspeed_zero.clear_build_locks()
+    assert lock.exists()
+    os.utime(built, (old - 60, old - 60))  # a killed rebuild: an old lock, the module older still
+    os.utime(lock, (old, old))
+    assert deepspeed_zero.finished_build_locks() == [] and list(deepspeed_zero.stale_build_locks()) == [lock]
+    with pytest.raises(RuntimeError, match="delete the file"):
+        deepspeed_zero.clear_build_locks()
 
 
 def test_a_stale_build_lock_of_another_torch_build_is_not_this_ones(tmp_path, monkeypatch):
