@@ -112,9 +112,11 @@ def test_trace_step_holds_each_traced_peak_against_the_same_cases_allocator_peak
     ]  # fmt: skip
     (tmp_path / "trace-1.3b.json").write_text(json.dumps({"rows": rows}))
     measured = [
-        {"status": "ok", "config": {"implementation": "ddp", "stage": 0, "offload": "none"},
+        {"case_id": "gpt-1.3b-ddp-s0-w1-bf16-none", "status": "ok", "equivalence": {"equivalent": True},
+         "config": {"implementation": "ddp", "stage": 0, "offload": "none"},
          "memory": {"kind": "cuda_allocated", "peak_bytes": 8 * gib}},
-        {"status": "ok", "config": {"implementation": "zero3", "stage": 3, "offload": "optimizer"},
+        {"case_id": "gpt-1.3b-zero3-s3-w1-bf16-optimizer", "status": "ok", "equivalence": {"equivalent": True},
+         "config": {"implementation": "zero3", "stage": 3, "offload": "optimizer"},
          "memory": {"kind": "cuda_allocated", "peak_bytes": 1 * gib}},  # another setup: not compared
     ]  # fmt: skip
     (tmp_path / "logs").mkdir()
@@ -125,6 +127,11 @@ def test_trace_step_holds_each_traced_peak_against_the_same_cases_allocator_peak
     assert outcome.figures["ddp-s0"] == {"traced_gib": 10.0, "allocator_gib": 8.0, "error": 0.25}
     assert outcome.figures["zero3-s3"]["allocator_gib"] is None
     assert "worst ddp-s0 +25.0%" in outcome.text
+
+    # a rerun of the trace alone: the peaks come from the earlier run's figures of suite-1.3b
+    ctx.previous = {"suite-1.3b": {"ddp-s0": gpu_check.case_figures(measured[0]), "not_run": []}}
+    ctx.shared = {"trace_proc": subprocess.Popen(["true"])}
+    assert gpu_check.step_trace(ctx).figures["ddp-s0"]["error"] == 0.25
 
     rows[1]["trace"] = {"error": "RuntimeError: no", "peak": None}
     (tmp_path / "trace-1.3b.json").write_text(json.dumps({"rows": rows}))

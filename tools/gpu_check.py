@@ -121,7 +121,7 @@ def record_setup(record: dict) -> str:
     return setup(config["implementation"], config["stage"], config["offload"])
 
 
-def case_figures(record: dict) -> dict[str, object]:
+def case_figures(record: dict) -> dict[str, Any]:
     summary, memory, energy = record.get("summary") or {}, record.get("memory") or {}, record.get("energy") or {}
     return {
         "status": record["status"],
@@ -129,7 +129,8 @@ def case_figures(record: dict) -> dict[str, object]:
         "step_ms": round(summary["step_time_median_s"] * 1e3, 2) if summary.get("step_time_median_s") else None,
         "ratio_to_ddp": record.get("ratio_to_ddp"),
         "mfu": (record.get("throughput") or {}).get("mfu"),
-        "allocator_peak_gib": round(memory["peak_bytes"] / GIB, 3) if memory.get("peak_bytes") else None,
+        # the CUDA allocator's peak (torch.cuda.max_memory_allocated); a CPU run's is the process's RSS: not this
+        "allocator_peak_gib": round(memory["peak_bytes"] / GIB, 3) if memory.get("kind") == "cuda_allocated" else None,
         "nvml_peak_gib": round(energy["peak_used_bytes"] / GIB, 3) if energy.get("peak_used_bytes") else None,
         "energy_per_step_j": energy.get("energy_per_step_j"),
         "error": (record.get("error") or "")[:300] or None,
@@ -140,8 +141,8 @@ def judge_suite(ctx: Context, name: str, settings: list[str], box: float, select
     """``zbench run`` the GPU suite with ``settings`` (only ``select`` and its references, where given, or only
     the cases an earlier run of this step left out); pass when every case ran, ok and equivalent."""
     results, report = ctx.work / f"results-{name}", ctx.work / f"report-{name}"
-    left_out = (ctx.previous.get(name) or {}).get("not_run") or []
-    selects = [select] if select else left_out
+    earlier = ctx.previous.get(name) or {}
+    selects = [select] if select else [*earlier.get("not_run", []), *earlier.get("failed", [])]
     sets = [a for s in settings for a in ("--set", s)] + [a for k in selects for a in ("-k", k)]
     if ctx.dry_run:
         code, tail = call(zbench_cmd("run", str(SUITE), "--dry-run", "--set", "device=auto", *sets), ctx.log(name), box)
@@ -155,15 +156,27 @@ def judge_suite(ctx: Context, name: str, settings: list[str], box: float, select
     figures: dict[str, object] = {record_setup(r): case_figures(r) for r in ran}
     not_run = [c for c in planned if c not in {r["case_id"] for r in records}]
     figures["not_run"] = not_run
-    bad = [
-        record_setup(r) for r in ran if r["status"] != "ok" or (r.get("equivalence") or {}).get("equivalent") is False
-    ]
+    failures = [r for r in ran if r["status"] != "ok" or (r.get("equivalence") or {}).get("equivalent") is False]
+    figures["failed"] = [r["case_id"] for r in failures]
+    bad = [record_setup(r) for r in failures]
     text = f"{len(ran) - len(bad)}/{len(ran)} cases ok and equivalent" + (f"; not: {', '.join(bad)}" if bad else "")
     if not_run:
         text += f"; {len(not_run)} not run ({', '.join(not_run[:3])}{', ...' if len(not_run) > 3 else ''})"
     if code is None:
         return Outcome("timeout", f"ran past its {box:.0f} s box; {text}", figures)
     return Outcome("pass" if code == 0 and not bad and ran and not not_run else "fail", text, figures)
+
+
+def measured_figure(ctx: Context, step: str, figure: str, unit: float) -> dict[str, float]:
+    """``figure`` (times ``unit``) of every case that ran ok and equivalent in suite ``step``: from this check's run
+    of it, else from the earlier run ``--rerun`` read (a rerun of the trace need not train gpt-1.3b again)."""
+    ran = ctx.shared.get(step)
+    found = {record_setup(r): case_figures(r) for r in ran} if ran is not None else ctx.previous.get(step, {})
+    return {
+        name: f[figure] * unit
+        for name, f in found.items()
+        if isinstance(f, dict) and f.get("status") == "ok" and f.get("equivalent") and f.get(figure) is not None
+    }
 
 
 def step_env(ctx: Context) -> Outcome:
@@ -266,11 +279,7 @@ def step_trace(ctx: Context) -> Outcome:
         if r.get("trace") and not r["trace"].get("error")
     }
     errors = [r["name"] for r in rows if (r.get("trace") or {}).get("error")]
-    measured = {
-        record_setup(r): r["memory"]["peak_bytes"]
-        for r in ctx.shared.get("suite-1.3b", [])
-        if r["status"] == "ok" and (r.get("memory") or {}).get("kind") == "cuda_allocated"
-    }
+    measured = measured_figure(ctx, "suite-1.3b", "allocator_peak_gib", GIB)
     figures: dict[str, object] = {
         name: {
             "traced_gib": round(peak / GIB, 3),
@@ -285,7 +294,7 @@ def step_trace(ctx: Context) -> Outcome:
         worst = max(compared, key=lambda k: abs(compared[k]))
         text += f"; traced vs allocator peak: worst {worst} {compared[worst]:+.1%}"
     elif not ctx.dry_run:
-        text += "; no real peaks to compare (suite-1.3b did not run here)"
+        text += "; no real peaks to compare (suite-1.3b ran neither here nor in the summary --rerun read)"
     return Outcome("pass" if traced and not errors else "fail", text, figures)
 
 
@@ -315,18 +324,15 @@ def step_simulate(ctx: Context) -> Outcome:
         for r in json.loads(out.read_text())["rows"]
         if r.get("estimates")
     }
-    measured = {
-        record_setup(r): r["summary"]["step_time_median_s"]
-        for r in ctx.shared.get("suite-125m", [])
-        if r["status"] == "ok" and r["config"]["implementation"] in {"zero2", "zero3"}
-    }
+    measured = measured_figure(ctx, "suite-125m", "step_ms", 1e-3)
     figures = {
         k: {"predicted_ms": round(p * 1e3, 2), "measured_ms": round(measured[k] * 1e3, 2) if k in measured else None}
         for k, p in predicted.items()
     }
     errors = {k: p / measured[k] - 1 for k, p in predicted.items() if k in measured}
     if not errors:
-        text = f"{len(predicted)} setups predicted; no measured step times to compare (suite-125m did not run here)"
+        text = f"{len(predicted)} setups predicted; no measured step times to compare (suite-125m ran neither here"
+        text += " nor in the summary --rerun read)"
         return Outcome("skipped" if ctx.dry_run else "fail", text, figures)
     offload = {k: e for k, e in errors.items() if "+" in k}
     median = sorted(abs(e) for e in errors.values())[len(errors) // 2]
@@ -373,18 +379,20 @@ def bundle(work: Path, out: Path) -> list[str]:
 
 
 def steps_to_run(steps: str | None, rerun: Path | None) -> tuple[set[str], dict[str, dict]]:
-    """The steps named (default: all), or those that did not pass in an earlier ``summary.json`` with their
-    figures (a suite step then runs only the cases it left out); ValueError for a step that does not exist."""
+    """The steps named (default: all), or those that did not pass in an earlier ``summary.json``, with every step's
+    figures there (a suite step then runs only the cases it left out or failed, and the trace and simulate steps
+    compare with the cases measured there); ValueError for a step that does not exist."""
     names = [s.name for s in STEPS]
     chosen, previous = (set(steps.split(",")) if steps else set(names)), {}
     if rerun:
         try:
-            earlier = [s for s in json.loads(rerun.read_text())["steps"] if s["status"] != "pass"]
+            earlier = json.loads(rerun.read_text())["steps"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(
                 f"--rerun {rerun}: not a summary.json the check wrote ({type(exc).__name__}: {exc})"
             ) from None
-        chosen, previous = {s["name"] for s in earlier}, {s["name"]: s["figures"] for s in earlier}
+        chosen = {s["name"] for s in earlier if s["status"] != "pass"}
+        previous = {s["name"]: s["figures"] for s in earlier}
     if unknown := chosen - set(names):
         raise ValueError(f"unknown step(s) {', '.join(sorted(unknown))}; the steps: {', '.join(names)}")
     return chosen, previous
