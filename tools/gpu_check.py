@@ -204,7 +204,7 @@ def step_big_suite(ctx: Context) -> Outcome:
 
 def step_tests(ctx: Context) -> Outcome:
     junit = ctx.work / "test_gpu.xml"
-    box = min(240.0, ctx.left())
+    box = ctx.left()  # the step's own box, or what is left of the budget
     cmd = [sys.executable, "-m", "pytest", "tests/test_gpu.py", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     code, tail = call(cmd, ctx.log("tests"), box)
     if not junit.exists():
@@ -399,7 +399,12 @@ def steps_to_run(steps: str | None, rerun: Path | None) -> tuple[set[str], dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    steps = "\n".join(f"  {s.name:<11} {s.box_s:4.0f} s  {s.what}" for s in STEPS)
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        epilog=f"steps, in the order they run (each with its box):\n{steps}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for the (at most 8) result files")
     parser.add_argument("--budget", type=float, default=300, help="seconds for the whole check (default 300)")
     parser.add_argument("--steps", help=f"comma-separated steps to run (of {', '.join(s.name for s in STEPS)})")
