@@ -27,9 +27,24 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-def zbench(*args: str, cwd: Path = ROOT, timeout: float = 600) -> CLIResult:
-    """Run ``python -m zbench ARGS`` the way a user would (a fresh process, real files)."""
-    env = child_env(COLUMNS="200")
+def is_rank_process(pid: int) -> bool:
+    """Whether ``pid`` is a live zbench rank, forked from the fork server (named ``zbench-rank``) or started as
+    ``python -m zbench.worker``."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and (
+            proc.name() == "zbench-rank" or "zbench.worker" in " ".join(proc.cmdline())
+        )
+    except psutil.Error:  # gone
+        return False
+
+
+def zbench(*args: str, cwd: Path = ROOT, timeout: float = 600, env: dict[str, str] | None = None) -> CLIResult:
+    """Run ``python -m zbench ARGS`` the way a user would (a fresh process, real files), with ``env`` added to its
+    environment."""
+    env = child_env(COLUMNS="200", **(env or {}))
     proc = subprocess.run(
         [sys.executable, "-m", "zbench", *args],
         cwd=cwd,

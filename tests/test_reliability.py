@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import ROOT, child_env, zbench, zbench_many
+from tests.conftest import ROOT, child_env, is_rank_process, zbench, zbench_many
 
 pytestmark = pytest.mark.heavy  # the heavy tier: `python -m pytest -m heavy`
 
@@ -33,11 +33,7 @@ def write_suite(path: Path, steps: int = 6, impls: str = "ddp") -> Path:
 
 
 def stray_workers() -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        if "zbench.worker" in " ".join(p.info["cmdline"] or []):
-            out.append(p)
-    return out
+    return [p for p in psutil.process_iter() if is_rank_process(p.pid)]
 
 
 def wait_for(predicate, timeout: float = 120.0, what: str = "") -> None:

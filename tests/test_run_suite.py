@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.conftest import zbench, zbench_many
+from tests.conftest import is_rank_process, zbench, zbench_many
 from zbench.results import store
 from zbench.results.record import SCHEMA_VERSION
 
@@ -169,8 +169,6 @@ def test_crash_during_shutdown_keeps_results_with_a_warning(suite_run):
 
 
 def test_hung_collective_times_out_and_leaves_no_orphan_rank(hung_run):
-    import psutil
-
     result, tmp, run_dir = hung_run
     assert result.returncode == 1, result.stderr
     case = cases(run_dir)[f"{FAULTY}:hang:fp32"]
@@ -179,8 +177,7 @@ def test_hung_collective_times_out_and_leaves_no_orphan_rank(hung_run):
     assert "timeout" in (tmp / "hang-report" / "index.html").read_text()
     assert len(case["rank_pids"]) == 2
     for pid in case["rank_pids"]:
-        alive = psutil.pid_exists(pid) and "zbench.worker" in " ".join(psutil.Process(pid).cmdline())
-        assert not alive, f"rank pid {pid} survived its case's timeout"
+        assert not is_rank_process(pid), f"rank pid {pid} survived its case's timeout"
     assert "Thread" in case["stderr_tail"] or "File " in case["stderr_tail"]  # the stacks dumped before the kill
 
 

@@ -4,8 +4,11 @@ Note: the agent (``torch.distributed.launcher.api.elastic_launch``) does the
 rendezvous across nodes, the rank numbering, the per-rank environment and the
 "one rank failed, stop the others" rule. It runs in a thread of the harness,
 not a process of its own, so a case costs no extra Python start-up (importing
-torch once more would add ~2 s per case), and the ranks are children of the
-harness: their ``PR_SET_PDEATHSIG`` still ties them to it. What the agent
+torch once more would add ~2 s per case). The ranks are forked from the
+harness's fork server (``zbench.launch.forkserver``), which has imported
+torch already, or started as fresh interpreters; their ``PR_SET_PDEATHSIG``
+ties them to their parent, the harness or its fork server (which ends with
+the harness). What the agent
 does not do (a wall-clock limit per case, the ranks' stacks before a kill)
 the harness does from outside, by signalling the ranks, which the agent then
 sees die like any other failure.
@@ -30,8 +33,8 @@ from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from zbench.errors import UsageError
+from zbench.launch import forkserver
 from zbench.launch.handoff import CaseFiles
-from zbench.measure.memory import CPU_MALLOC_ENV
 
 #: How long a rank gets to print its stacks (faulthandler on SIGUSR1) before it is killed.
 STACK_DUMP_WAIT_S = 1.0
@@ -114,7 +117,7 @@ def worker_command(files: CaseFiles, device: str) -> tuple[str, list[str]]:
     where suites' plug-in implementations usually live; PYTHONSAFEPATH stops ``python -m`` from putting the
     working directory ahead of them all (Python >= 3.11; ``zbench ab`` refuses older ones).
     """
-    extra = {k: v for k, v in CPU_MALLOC_ENV.items() if k not in os.environ} if device == "cpu" else {}
+    extra = forkserver.rank_env(device)
     extra["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), os.getcwd()) if p)
     extra["PYTHONSAFEPATH"] = "1"
     extra["PYTHONUNBUFFERED"] = "1"
@@ -146,7 +149,14 @@ class LocalRanks:
         self.rdzv = rdzv
         self.result = AgentRun()
         self.pids: list[int] = []
-        entrypoint, args = worker_command(files, device)
+        self.forked = forkserver.can_fork(device)
+        entrypoint: Callable[..., int] | str
+        args: list[object]
+        if self.forked:
+            entrypoint, args = forkserver.forked_rank, [str(files.workdir), forkserver.search_path()]
+        else:
+            entrypoint, command = worker_command(files, device)
+            args = list(command)
         self._config = LaunchConfig(
             min_nodes=rdzv.nnodes,
             max_nodes=rdzv.nnodes,
@@ -158,6 +168,7 @@ class LocalRanks:
             max_restarts=0,
             monitor_interval=0.05,
             logs_specs=CaseLogs(files),
+            start_method="forkserver",  # used when the entry point is a function: forked ranks
         )
         self._thread = threading.Thread(
             target=self._run, args=(entrypoint, args), name=f"zbench-agent-{run_id}", daemon=True
@@ -168,12 +179,15 @@ class LocalRanks:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         self._thread.start()
 
-    def _run(self, entrypoint: str, args: list[str]) -> None:
+    def _run(self, entrypoint: Callable[..., int] | str, args: list[object]) -> None:
         try:
             elastic_launch(self._config, entrypoint)(*args)
         except ChildFailedError as exc:
             in_order = sorted(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-            self.result.failures = {rank: failure.exitcode for rank, failure in in_order}
+            # forked ranks: the agent names only the first it saw fail; each rank's own exit file names them all
+            self.result.failures = self.files.exit_codes()
+            for rank, failure in in_order:
+                self.result.failures.setdefault(rank, failure.exitcode)
         except RendezvousTimeoutError:
             self.result.error = (
                 f"rendezvous at {self.rdzv.endpoint} timed out after {self.rdzv.timeout_s:g} s: "
@@ -186,11 +200,13 @@ class LocalRanks:
         return self._thread.is_alive()
 
     def processes(self) -> list[psutil.Process]:
-        """The case's rank processes: the harness's children whose command line names this case's directory."""
+        """The case's rank processes among the harness's descendants: those whose pid file this case's directory
+        holds (forked ranks), or whose command line names the directory (fresh ones, from their first instant)."""
+        pids = self.files.rank_pids()
         found = []
         for child in psutil.Process().children(recursive=True):
             try:
-                if str(self.files.workdir) in child.cmdline():
+                if child.pid in pids or str(self.files.workdir) in child.cmdline():
                     found.append(child)
             except psutil.Error:  # it ended meanwhile
                 continue

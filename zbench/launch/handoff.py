@@ -1,7 +1,8 @@
 """What the launcher and a case's ranks hand each other through the case's work directory, declared once.
 
 The launcher writes ``case.json`` (a ``WorkerTask``) and starts every rank as
-``python -m zbench.worker WORKDIR``. Each rank writes ``rank<R>.json`` (a
+``python -m zbench.worker WORKDIR`` or forks it from the fork server
+(``zbench.launch.forkserver``). Each rank writes ``rank<R>.pid`` first, then ``rank<R>.json`` (a
 ``RankResult``) or ``rank<R>.error.json`` (a ``RankError``) and its output to
 ``rank<R>.log``; rank 0 also writes ``params.pt`` (the final parameters) and
 ``progress`` (the step it is on). With the suite's ``profile`` key each rank
@@ -114,6 +115,35 @@ class CaseFiles:
 
     def log(self, rank: int) -> Path:
         return self.workdir / f"rank{rank}.log"
+
+    def pid(self, rank: int) -> Path:
+        """The rank's process id, written first thing: how the launcher finds a forked rank to signal."""
+        return self.workdir / f"rank{rank}.pid"
+
+    def exit_code(self, rank: int) -> Path:
+        """How a forked rank ended when that was not a clean exit (an exit code, or minus the signal that killed
+        it), written by the process that waited on it (``zbench.rank.worker.forked``)."""
+        return self.workdir / f"rank{rank}.exit"
+
+    def exit_codes(self) -> dict[int, int]:
+        """The forked ranks' exit codes written so far (rank -> code), the first to end first."""
+        found = []
+        for path in self.workdir.glob("rank*.exit"):
+            try:
+                found.append((path.stat().st_mtime_ns, int(path.name[4:-5]), int(path.read_text())))
+            except (OSError, ValueError):  # gone with its directory
+                continue
+        return {rank: code for _, rank, code in sorted(found)}
+
+    def rank_pids(self) -> set[int]:
+        """The process ids the ranks have written so far."""
+        pids = set()
+        for path in self.workdir.glob("rank*.pid"):
+            try:
+                pids.add(int(path.read_text()))
+            except (OSError, ValueError):  # gone with its directory
+                continue
+        return pids
 
     def profile(self, rank: int) -> Path:
         return self.workdir / f"profile-rank{rank}.json"

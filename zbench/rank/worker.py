@@ -1,7 +1,8 @@
 """What runs on every rank of a case: build, wrap, train, measure, hand the results back.
 
 Started by torch's elastic agent (``zbench.launch.elastic``) as ``python -m
-zbench.worker WORKDIR`` with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+zbench.worker WORKDIR`` or forked from the fork server as :func:`forked`
+(``zbench.launch.forkserver``), with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, or by
 ``srun`` (``zbench.launch.slurm``) with SLURM's variables and ``ZBENCH_STORE``. It
 reads its ``WorkerTask`` from WORKDIR and hands back a ``RankResult`` (or a
@@ -26,7 +27,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from zbench.atomic import atomic_torch_save, atomic_write_json
+from zbench.atomic import atomic_torch_save, atomic_write_bytes, atomic_write_json
 from zbench.cases import registry
 from zbench.cases.case import Case
 from zbench.cases.model_source import ModelInfo, model_info
@@ -44,6 +45,10 @@ from zbench.rank.paired import time_paired_rounds
 from zbench.rank.probe import run_fp32_probe
 from zbench.rank.training import build_engine, step_batches
 from zbench.results.record import NvmlSummary, PairedTiming, PhaseTimes, RankMemory
+
+#: What every rank calls itself in ``ps`` and psutil, forked or not (a forked rank's command line is the fork
+#: server's).
+RANK_PROCESS_NAME = "zbench-rank"
 
 
 def pick_device(case: Case, local_rank: int) -> torch.device:
@@ -191,6 +196,15 @@ def is_oom(exc: BaseException) -> bool:
     )  # the CPU allocator's wording
 
 
+def name_process(name: str) -> None:
+    """The name ``ps``, ``top`` and psutil show for this process (Linux; at most 15 characters are kept)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_NAME = 15
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15])
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this rank if the harness dies (e.g. it is itself SIGKILLed): no orphaned ranks."""
     if sys.platform.startswith("linux"):
@@ -236,16 +250,19 @@ def harness_store(world: int, timeout_s: float) -> dist.Store | None:
     return dist.TCPStore(host, int(port), world + 1, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def main(argv: list[str]) -> int:
+def run(workdir: Path) -> None:
+    """Everything a rank does, from reading its task to leaving the process group; exits with 3 on any failure."""
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the launcher keeps one log per rank: its stderr
     die_with_parent()
+    name_process(RANK_PROCESS_NAME)
     comms.install()
     faulthandler.register(
         signal.SIGUSR1, all_threads=True
     )  # the launcher's "where are you stuck?" before a timeout kill
-    files = CaseFiles(Path(argv[0]))
+    files = CaseFiles(workdir)
     task = WorkerTask.model_validate_json(files.task.read_text())
     rank, world, local_rank, local_world = rank_and_world(os.environ)
+    atomic_write_bytes(files.pid(rank), str(os.getpid()).encode(), durable=False)
     if task.case.device == "cpu":
         torch.set_num_threads(
             int(os.environ.get("ZBENCH_THREADS_PER_RANK", max(1, (os.cpu_count() or 1) // local_world)))
@@ -279,7 +296,52 @@ def main(argv: list[str]) -> int:
     # ends non-zero, and a rank that crashes in teardown must not cost a slower peer its results
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def main(argv: list[str]) -> int:
+    """``python -m zbench.worker WORKDIR``: a rank started as a fresh interpreter."""
+    run(Path(argv[0]))
     exit_without_teardown()
+
+
+def forked(workdir: str, search_path: list[str]) -> int:
+    """A rank forked from the fork server (``zbench.launch.forkserver``), run by the elastic agent as a function.
+
+    This process forks once more and waits: the rank runs in its child, and this one writes how the rank ended
+    (``rank<R>.exit``) when that was not a clean exit, then ends the same way. Why: for ranks it runs as functions
+    the agent reports only the first rank it sees fail, and the fork server, not the harness, is their parent; so
+    a rank killed by a signal (the OOM killer's SIGKILL) while its peer fails in its next collective would go
+    unnamed, and the case would be blamed on the peer's "connection closed".
+
+    Note: on success it returns rather than leaving through ``os._exit`` as a fresh rank does: the agent waits
+    for each function's return value, and the process that calls it ends with ``os._exit`` anyway, so no
+    interpreter teardown runs either way.
+    """
+    sys.path[:0] = [p for p in search_path if p not in sys.path]
+    die_with_parent()
+    name_process(RANK_PROCESS_NAME)
+    files = CaseFiles(Path(workdir))
+    child = os.fork()
+    if child == 0:
+        try:
+            run(files.workdir)
+        except BaseException:  # before run() records errors itself (an unreadable task)
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+        return 0
+    rank = rank_and_world(os.environ)[0]
+    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    atomic_write_bytes(files.exit_code(rank), str(code).encode(), durable=False)
+    if code < 0:  # end as the rank did, so that the agent sees the same
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code > 0 else 1)
 
 
 if __name__ == "__main__":

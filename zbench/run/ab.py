@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from zbench.errors import UsageError
+from zbench.launch.forkserver import fresh_interpreters
 from zbench.results.record import CaseRecord, PairedTiming, StepSample
 from zbench.results.store import RunDir
 from zbench.run.console import Progress
@@ -41,14 +42,18 @@ def side_order(round_index: int) -> tuple[str, str]:
 
 @contextmanager
 def code_from(checkout: Path | None) -> Iterator[None]:
-    """Ranks launched inside import ``zbench`` from ``checkout`` (``None``: from this installation)."""
+    """Ranks launched inside import ``zbench`` from ``checkout`` (``None``: from this installation).
+
+    Note: another checkout's ranks start as fresh interpreters; the fork server has imported this installation's.
+    """
     if checkout is None:
         yield
         return
     before = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), before) if p)
     try:
-        yield
+        with fresh_interpreters():
+            yield
     finally:
         if before is None:
             del os.environ["PYTHONPATH"]
