@@ -89,3 +89,12 @@ def test_exit_files_are_read_in_the_order_the_ranks_ended(tmp_path):
         os.utime(files.exit_code(rank), ns=(mtime, mtime))
     (tmp_path / "rank2.exit").write_text("")  # being written
     assert list(files.exit_codes().items()) == [(1, -9), (0, -15), (3, 3)]
+
+
+def test_a_forked_rank_sees_the_harness_environment_of_now_with_the_agents_variables_over_it():
+    """The fork server's environment dates from the harness's first case; a variable the harness set or dropped
+    since reaches the rank as it would reach a fresh one, and the agent's per-rank variables win."""
+    server = {"PATH": "/bin", "OLD": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    current = {**server, "RANK": "1", "MASTER_PORT": "29500"}  # as the agent's wrapper leaves the forked rank
+    harness = {"PATH": "/bin", "NEW": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}  # OLD dropped, NEW set
+    assert forkserver.rank_environment(current, harness, server) == {**harness, "RANK": "1", "MASTER_PORT": "29500"}

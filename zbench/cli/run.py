@@ -119,12 +119,12 @@ def run(
 
     Exit code 1 when a case failed (error, oom, timeout) or did not train like DDP.
     """
+    read = _read(suite_file, overrides or [], keep_params)  # a bad file is one line before torch is imported
     from zbench.launch import elastic
     from zbench.report import render
     from zbench.run.console import Progress, stderr_console
     from zbench.run.runner import run_suite
 
-    read = _read(suite_file, overrides or [], keep_params)
     rdzv = elastic.rendezvous(nnodes, node_rank, rdzv_endpoint, rdzv_timeout)
     how = _launcher(launcher, rdzv)
     suite = _expand(read, patterns or [], nnodes=how.nnodes * rdzv.nnodes)

@@ -153,7 +153,7 @@ class LocalRanks:
         entrypoint: Callable[..., int] | str
         args: list[object]
         if self.forked:
-            entrypoint, args = forkserver.forked_rank, [str(files.workdir), forkserver.search_path()]
+            entrypoint, args = forkserver.forked_rank, forkserver.rank_arguments(str(files.workdir), device)
         else:
             entrypoint, command = worker_command(files, device)
             args = list(command)

@@ -43,6 +43,9 @@ PRELOAD = (RANK_MODULE, "torch._dynamo")
 FORK_RANKS_VAR = "ZBENCH_FORK_RANKS"
 
 _server_env: dict[str, str] | None = None
+"""What the fork server's environment adds to or changes in the harness's (None: not started)."""
+_server_start_env: dict[str, str] = {}
+"""The whole environment the fork server started with."""
 _fresh_depth = 0
 
 
@@ -72,14 +75,54 @@ def can_fork(device: str) -> bool:
         with _environment(env):
             multiprocessing.set_forkserver_preload(list(PRELOAD))
             multiprocessing.forkserver.ensure_running()
+            _server_start_env.update(os.environ)
         _server_env = env
     return _server_env == env
 
 
-def forked_rank(workdir: str, search_path: list[str]) -> int:
-    """What the agent runs in each forked rank: ``zbench.rank.worker.forked`` (already imported there)."""
+def rank_arguments(workdir: str, device: str) -> list[object]:
+    """What :func:`forked_rank` is given: the case's directory, where to look for modules, the environment a fresh
+    rank would have been started with (the harness's as it is now, with the rank's own) and the one the fork
+    server started with (from which the rank tells what the agent added)."""
+    return [workdir, search_path(), {**os.environ, **rank_env(device)}, dict(_server_start_env)]
+
+
+def forked_rank(workdir: str, search_path: list[str], harness_env: dict[str, str], server_env: dict[str, str]) -> int:
+    """What the agent runs in each forked rank: ``zbench.rank.worker.forked`` (already imported there), in the
+    environment a fresh rank would have: the harness's as it was when the case started (the fork server's dates
+    from the first case), with the agent's per-rank variables (``RANK``, ``MASTER_PORT``, ...) over it.
+
+    Note: a variable read only as a process starts (``LD_PRELOAD``, glibc's ``MALLOC_*``, ``PYTHON*``) keeps the
+    value the fork server started with: export such variables before zbench starts.
+    """
+    _release_the_server()
+    env = rank_environment(dict(os.environ), harness_env, server_env)
+    os.environ.clear()
+    os.environ.update(env)
     entry: Callable[[str, list[str]], int] = import_module(RANK_MODULE).forked
     return entry(workdir, search_path)
+
+
+def _release_the_server() -> None:
+    """Close this rank's end of the fork server's lifeline.
+
+    Python hands every process the fork server forks the write end of the pipe whose closing tells the server
+    that the harness and its clients are gone. A rank holding it keeps the server alive after the harness dies,
+    and the server, its parent, keeps the rank alive (its parent-death signal waits for the server): orphans.
+    The rank forks no process through the server, so it needs no end of it.
+    """
+    server = multiprocessing.forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        setattr(server, "_forkserver_alive_fd", None)  # noqa: B010 (a private attribute mypy does not know)
+
+
+def rank_environment(
+    current: dict[str, str], harness_env: dict[str, str], server_env: dict[str, str]
+) -> dict[str, str]:
+    """The harness's environment with what the agent set in this rank (``current`` less ``server_env``) over it."""
+    return {**harness_env, **{k: v for k, v in current.items() if server_env.get(k) != v}}
 
 
 def search_path() -> list[str]:
