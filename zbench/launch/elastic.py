@@ -149,10 +149,9 @@ class LocalRanks:
         self.rdzv = rdzv
         self.result = AgentRun()
         self.pids: list[int] = []
-        self.forked = forkserver.can_fork(device)
         entrypoint: Callable[..., int] | str
         args: list[object]
-        if self.forked:
+        if forkserver.can_fork(device):
             entrypoint, args = forkserver.forked_rank, forkserver.rank_arguments(str(files.workdir), device)
         else:
             entrypoint, command = worker_command(files, device)

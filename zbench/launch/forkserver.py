@@ -4,11 +4,11 @@ Why: a rank started as ``python -m zbench.worker`` spends most of a short case i
 ``torch._dynamo``, which DDP's constructor imports to read one setting. Profiled on the 2-core CPU machine on
 2026-11-28 (torch 2.13), a two-rank DDP case of the tiny model took 5.5 s, of which each rank spent about 3.5 s
 in imports and 0.7 s building and training. Python's fork server imports them once per harness, and each rank is
-a fork of it: the heavy test tier, hundreds of such cases, and a user's suite of many small cases run several
-times faster.
+a fork of it: a suite of five such cases took half the wall time (docs/methods.md#forked-ranks), and the heavy
+test tier, hundreds of them, much less.
 
 What stays the same: the elastic agent starts, numbers, watches and stops the ranks as before (its
-``forkserver`` start method runs a function, ``zbench.rank.worker.forked``, in place of the command line); each
+``forkserver`` start method runs a function, :func:`forked_rank`, in place of the command line); each
 rank has its own process, process group, log, result file and exit code. The fork server is a fresh interpreter
 that imports modules and never runs a tensor operation, so no thread pool, CUDA context or allocator state is
 inherited.
@@ -43,7 +43,7 @@ PRELOAD = (RANK_MODULE, "torch._dynamo")
 FORK_RANKS_VAR = "ZBENCH_FORK_RANKS"
 
 _server_env: dict[str, str] | None = None
-"""What the fork server's environment adds to or changes in the harness's (None: not started)."""
+"""The ranks' own variables (``rank_env``) the fork server started with (None: not started)."""
 _server_start_env: dict[str, str] = {}
 """The whole environment the fork server started with."""
 _fresh_depth = 0
