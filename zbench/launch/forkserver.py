@@ -72,7 +72,7 @@ def can_fork(device: str) -> bool:
         return False
     env = rank_env(device)
     if _server_env is None:
-        with _environment(env):
+        with environment(env):
             multiprocessing.set_forkserver_preload(list(PRELOAD))
             multiprocessing.forkserver.ensure_running()
             _server_start_env.update(os.environ)
@@ -132,8 +132,9 @@ def search_path() -> list[str]:
 
 
 @contextmanager
-def _environment(values: Mapping[str, str]) -> Iterator[None]:
-    """``values`` in this process's environment meanwhile (the fork server inherits it as it starts)."""
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment meanwhile, as it was afterwards (what a process started inside
+    inherits: the fork server, a fresh rank)."""
     before = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from zbench.errors import UsageError
-from zbench.launch.forkserver import fresh_interpreters
+from zbench.launch.forkserver import environment, fresh_interpreters
 from zbench.results.record import CaseRecord, PairedTiming, StepSample
 from zbench.results.store import RunDir
 from zbench.run.console import Progress
@@ -49,16 +49,9 @@ def code_from(checkout: Path | None) -> Iterator[None]:
     if checkout is None:
         yield
         return
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), before) if p)
-    try:
-        with fresh_interpreters():
-            yield
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
+    path = os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)
+    with environment({"PYTHONPATH": path}), fresh_interpreters():
+        yield
 
 
 def check_base_checkout(base: Path) -> Path:
