@@ -127,23 +127,21 @@ class CaseFiles:
 
     def exit_codes(self) -> dict[int, int]:
         """The forked ranks' exit codes written so far (rank -> code), the first to end first."""
-        found = []
-        for path in self.workdir.glob("rank*.exit"):
-            try:
-                found.append((path.stat().st_mtime_ns, int(path.name[4:-5]), int(path.read_text())))
-            except (OSError, ValueError):  # gone with its directory
-                continue
-        return {rank: code for _, rank, code in sorted(found)}
+        return self._numbers_by_rank("exit")
 
     def rank_pids(self) -> set[int]:
         """The process ids the ranks have written so far."""
-        pids = set()
-        for path in self.workdir.glob("rank*.pid"):
+        return set(self._numbers_by_rank("pid").values())
+
+    def _numbers_by_rank(self, suffix: str) -> dict[int, int]:
+        """The number in each ``rank<R>.<suffix>`` written so far (rank -> number), the oldest file first."""
+        found = []
+        for path in self.workdir.glob(f"rank*.{suffix}"):
             try:
-                pids.add(int(path.read_text()))
-            except (OSError, ValueError):  # gone with its directory
+                found.append((path.stat().st_mtime_ns, int(path.name[4 : -len(suffix) - 1]), int(path.read_text())))
+            except (OSError, ValueError):  # gone with its directory, or being written
                 continue
-        return pids
+        return {rank: number for _, rank, number in sorted(found)}
 
     def profile(self, rank: int) -> Path:
         return self.workdir / f"profile-rank{rank}.json"
