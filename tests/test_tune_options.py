@@ -141,6 +141,32 @@ def test_the_option_search_varies_every_seed_and_keeps_only_a_faster_or_leaner_v
     assert "4 variants of 2 setups traced; 2 kept" in found.summary and "2 dropped" in found.summary
 
 
+def test_of_two_variants_the_model_cannot_tell_apart_the_one_nearer_the_default_is_kept():
+    """Planted: zero1's 16 and 64 MiB buckets both beat the default 4 MiB and predict alike (both larger than every
+    gradient of a small model), so only 16 MiB, first in the declared order, reaches the ranking; a 64 MiB bucket
+    that is faster by more than the margin is kept beside it."""
+    from zbench.plan.simulate.step import StepEstimate
+    from zbench.plan.trace.plan import make_case
+    from zbench.tune.options import MARGIN, search_options
+    from zbench.tune.search import Candidate, Needs
+
+    def candidate(case, rate: float) -> Candidate:
+        est = StepEstimate(world=2, compute_s=1.0, comm_s=0.0, exposed_comm_s=0.0, offload_s=0.0, step_s=1.0,
+                           tokens_per_s_per_gpu=rate, mfu=0.5, comm_to_compute=0.0, compute_model="operators",
+                           hides_gathers=True, phase_comm_s={})  # fmt: skip
+        return Candidate(case, needs=Needs(gpu=10.0, host_per_node=0.0, disk_per_node=0.0), estimate=est)
+
+    seed = candidate(make_case("tiny", "zero1", 1, "none", gpus=2, precision="fp32", micro_batch=2, seq_len=32,
+                               device="cpu", checkpointing=False), rate=100.0)  # fmt: skip
+    for rate_64, kept in ((110.0 * (1 + MARGIN / 2), [16]), (110.0 * (1 + 3 * MARGIN), [16, 64])):
+        planted = {1: 90.0, 16: 110.0, 64: rate_64}
+        run = lambda cases, p=planted: [candidate(c, p[c.options["bucket_mb"]]) for c in cases]
+        found = search_options([seed], {}, run)
+        assert [c.case.options["bucket_mb"] for c in found.kept] == kept
+        assert f"3 variants of 1 setups traced; {len(kept)} kept" in found.summary
+        assert ("level with a value kept before it: 1" in found.summary) == (kept == [16])
+
+
 def test_the_nearest_gpu_misses_are_searched_too_and_a_variant_that_fits_is_kept():
     """Planted: of five zero3 setups that do not fit, the three traced ones nearest the GPU's limit get their
     options searched (not one pruned by host memory, nor one pruned untraced by the formulas); a prefetch-0 variant

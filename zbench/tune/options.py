@@ -82,7 +82,7 @@ def search_options(
     question's cluster, limits and cache). A variant is kept where it is predicted faster than the setup it
     varies, or fits in less GPU memory, or fits where that setup did not; one that fits nowhere, or changes
     neither (a bucket larger than every gradient of a small model), is dropped and counted, so that the ranking
-    is not filled with ties."""
+    is not filled with ties; so is one level with a variant of the same setup kept before it (``_level``)."""
     seen = {_key(c.case) for c in ranked}
     pairs: list[tuple[Candidate, Case]] = []
     for seed in seeds(ranked):
@@ -93,14 +93,20 @@ def search_options(
     if not pairs:
         return OptionSearch([], "options: nothing to vary")
     found = {_key(c.case): c for c in run([case for _, case in pairs])}
-    kept_pairs = [(seed, found[_key(case)]) for seed, case in pairs if _better(found[_key(case)], seed)]
+    better = [(seed, found[_key(case)]) for seed, case in pairs if _better(found[_key(case)], seed)]
+    kept_pairs: list[tuple[Candidate, Candidate]] = []
+    for seed, variant in better:  # in each option's declared order, so the value nearer the default stays
+        if not any(s is seed and _level(v, variant) for s, v in kept_pairs):
+            kept_pairs.append((seed, variant))
     kept = [variant for _, variant in kept_pairs]
     setups = len({id(seed) for seed, _ in pairs})
     rescued = sum(seed.pruned is not None for seed, _ in kept_pairs)
+    level = len(better) - len(kept)
+    also = f", or level with a value kept before it: {level}" if level else ""
     summary = (
         f"options: {len(pairs)} variants of {setups} setups traced; {len(kept)} kept (faster or leaner than the setup "
         f"they vary{f', {rescued} fitting where it did not' if rescued else ''}), {len(pairs) - len(kept)} dropped "
-        "(no faster and no leaner, or not fitting)"
+        f"(no faster and no leaner, or not fitting{also})"
     )
     return OptionSearch(kept, summary)
 
@@ -113,6 +119,17 @@ def _better(variant: Candidate, seed: Candidate) -> bool:
     assert seed.estimate is not None and seed.needs is not None  # a survivor was predicted
     faster = variant.estimate.tokens_per_s_per_gpu > seed.estimate.tokens_per_s_per_gpu * (1 + MARGIN)
     return faster or variant.needs.gpu < seed.needs.gpu * (1 - MARGIN)
+
+
+def _level(a: Candidate, b: Candidate) -> bool:
+    """Two variants of one setup the model cannot tell apart: the same predicted speed and GPU need within
+    ``MARGIN`` (a 16 and a 64 MiB bucket both larger than every gradient of a small model trace alike). The ranking
+    keeps one of them, so a top K is K setups a user can choose between, not one setup listed twice."""
+    assert a.estimate is not None and b.estimate is not None and a.needs is not None and b.needs is not None
+    rate_a, rate_b = a.estimate.tokens_per_s_per_gpu, b.estimate.tokens_per_s_per_gpu
+    return abs(rate_a - rate_b) <= MARGIN * max(rate_a, rate_b) and abs(a.needs.gpu - b.needs.gpu) <= MARGIN * max(
+        a.needs.gpu, b.needs.gpu
+    )
 
 
 def _key(case: Case) -> tuple:
