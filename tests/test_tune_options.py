@@ -98,6 +98,7 @@ def test_a_fixed_option_is_not_searched_and_no_search_turns_it_off(cli, cache_di
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert all(s["options"] == {"prefetch": 1} for s in doc["ranked"] + doc["pruned"])
+    assert "tracing zero3 stage 3 offload none, prefetch 1" in r.stderr  # progress names a setup's options
     r = cli(*base, "--no-search-options")
     doc = json.loads(r.stdout)
     assert r.returncode == 0 and doc["options_searched"] == [] and all(not s["options"] for s in doc["ranked"])
