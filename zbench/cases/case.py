@@ -112,6 +112,13 @@ class Case(BaseModel):
         return "-".join(parts)
 
     @property
+    def options_text(self) -> str:
+        """The options as ``, key value`` phrases in key order (empty without any): one wording for every line that
+        names a setup (``zbench tune``'s tables, a trace's progress)."""
+        words = (f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(self.options.items()))
+        return "".join(f", {w}" for w in words)
+
+    @property
     def reference_key(self) -> tuple[Any, ...]:
         """Cases with the same key train the same thing and are compared with the same DDP case."""
         return (

@@ -96,5 +96,4 @@ def describe(case: Case) -> str:
     (an option only where the setup sets one)."""
     accum = f" x {case.grad_accum}" if case.grad_accum > 1 else ""
     ckpt = ", checkpointing" if case.activation_checkpointing else ""
-    options = "".join(f", {k} {v:g}" if isinstance(v, float) else f", {k} {v}" for k, v in sorted(case.options.items()))
-    return f"{case_name(case)}, micro-batch {case.micro_batch}{accum}{ckpt}{options}"
+    return f"{case_name(case)}, micro-batch {case.micro_batch}{accum}{ckpt}{case.options_text}"

@@ -229,7 +229,7 @@ def trace_plan(
                 what += f", micro-batch {case.micro_batch}{accum}" + (
                     ", checkpointing" if case.activation_checkpointing else ""
                 )
-            what += "".join(f", {key} {value}" for key, value in sorted(case.options.items()))
+            what += case.options_text
             if progress:
                 progress(f"[{i}/{len(cases)}] tracing {what}")
             beat.task(what)
