@@ -12,6 +12,7 @@ bucket is more, smaller reduce-scatters) and pruned and ranked with the rest. An
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -126,10 +127,8 @@ def _level(a: Candidate, b: Candidate) -> bool:
     ``MARGIN`` (a 16 and a 64 MiB bucket both larger than every gradient of a small model trace alike). The ranking
     keeps one of them, so a top K is K setups a user can choose between, not one setup listed twice."""
     assert a.estimate is not None and b.estimate is not None and a.needs is not None and b.needs is not None
-    rate_a, rate_b = a.estimate.tokens_per_s_per_gpu, b.estimate.tokens_per_s_per_gpu
-    return abs(rate_a - rate_b) <= MARGIN * max(rate_a, rate_b) and abs(a.needs.gpu - b.needs.gpu) <= MARGIN * max(
-        a.needs.gpu, b.needs.gpu
-    )
+    speed = math.isclose(a.estimate.tokens_per_s_per_gpu, b.estimate.tokens_per_s_per_gpu, rel_tol=MARGIN)
+    return speed and math.isclose(a.needs.gpu, b.needs.gpu, rel_tol=MARGIN)
 
 
 def _key(case: Case) -> tuple:
