@@ -5,10 +5,10 @@ The step model charges each rank's compute and each collective on its own. Where
 ranks on two cores, each sharing its core with the harness, gloo's threads and the system, drift apart, so every
 such wait costs something that neither a compute probe nor a collective probe sees.
 
-Two gloo ranks, one thread each, time (each repeat from a barrier, rank 0's wall clock): ``calls`` segments of
-matrix products alone, ``calls`` small all-reduces alone, and the two interleaved; the extra per wait is
-``interleaved - compute - calls``, per segment. Nothing in zbench reads it yet (issue 30: docs/methods.md,
-Simulation).
+Two gloo ranks (``tests.benchmarks.ranks``), one thread each, time (each repeat from a barrier, rank 0's wall
+clock): ``WAITS`` segments of matrix products alone, ``WAITS`` small all-reduces alone, and the two
+interleaved; the extra per wait is ``interleaved - compute - calls``, per segment. Nothing in zbench reads it
+yet (issue 30: docs/methods.md, Simulation).
 
 ``python -m tests.benchmarks.sync_skew [--segments 2 8 32 64 128] [--out FILE.json]``
 """
@@ -18,16 +18,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import socket
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.benchmarks.ranks import run_ranks
 
 WAITS, REPEATS, SIDE = 8, 7, 256
 
@@ -42,37 +42,33 @@ def _median_s(fn: Callable[[], object]) -> float:
     return statistics.median(times)
 
 
-def _rank(rank: int, port: int, segments: list[int], out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+def _waits(rank: int, world: int, segments: list[int]) -> list[dict[str, float]]:
     a, b, small = torch.randn(SIDE, SIDE), torch.randn(SIDE, SIDE), torch.ones(2048)
 
     def compute(products: int) -> None:
-        for _ in range(products):
-            torch.mm(a, b)
+        for _ in range(WAITS):
+            for _ in range(products):
+                torch.mm(a, b)
+
+    def calls() -> None:
+        for _ in range(WAITS):
+            dist.all_reduce(small)
+
+    def interleaved(products: int) -> None:
+        for _ in range(WAITS):
+            for _ in range(products):
+                torch.mm(a, b)
+            dist.all_reduce(small)
 
     rows = []
     for products in segments:
-        alone = _median_s(lambda p=products: [compute(p) for _ in range(WAITS)]) / WAITS
-        call = _median_s(lambda: [dist.all_reduce(small) for _ in range(WAITS)]) / WAITS
-        both = _median_s(lambda p=products: [(compute(p), dist.all_reduce(small)) for _ in range(WAITS)]) / WAITS
+        alone = _median_s(partial(compute, products)) / WAITS
+        call = _median_s(calls) / WAITS
+        both = _median_s(partial(interleaved, products)) / WAITS
         rows.append({"segment_ms": alone * 1e3, "call_ms": call * 1e3, "interleaved_ms": both * 1e3,
                      "extra_per_wait_ms": (both - alone - call) * 1e3,
                      "extra_share_of_segment": (both - alone - call) / alone})  # fmt: skip
-    if rank == 0:
-        Path(out).write_text(json.dumps(rows))
-    dist.destroy_process_group()
-
-
-def measure(segments: list[int]) -> list[dict[str, float]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "rows.json")
-        mp.start_processes(_rank, args=(port, segments, out), nprocs=2, start_method="spawn")
-        return json.loads(Path(out).read_text())
+    return rows
 
 
 def main() -> None:
@@ -81,7 +77,7 @@ def main() -> None:
                         help=f"matrix products ({SIDE} x {SIDE}) between two waits")  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the rows here (JSON)")
     args = parser.parse_args()
-    rows = measure(args.segments)
+    rows = run_ranks(_waits, args.segments, world=2, threads=1)
     for r in rows:
         print(
             f"segment {r['segment_ms']:7.2f} ms  call {r['call_ms']:5.2f} ms  "
