@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, CLIResult, child_env, zbench, zbench_many
+from zbench.launch.ports import free_port
 from zbench.results.run_info import Environment, RunInfo, SuiteInfo
 from zbench.verdicts.regress import machine_fingerprint
 
@@ -51,12 +51,6 @@ implementations: [{implementations}]
 
 KILL_SUITE = kill_suite("kill-on-node-1", f'ddp, {{name: "{FAULTY}", options: {{fault: sigkill_marked}}}}, torch_zero')
 SRUN_KILL_SUITE = kill_suite("srun-kill", f'ddp, {{name: "{FAULTY}", options: {{fault: sigkill}}}}')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(args: list[str], **env: str) -> subprocess.Popen[str]:

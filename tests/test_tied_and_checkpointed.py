@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from zbench.launch.ports import free_port
 
 pytestmark = pytest.mark.heavy  # the heavy tier: `python -m pytest -m heavy`
 
@@ -79,10 +80,7 @@ def train(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("tied") / "results.json"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(train, args=(2, port, str(out)), nprocs=2)
+    mp.spawn(train, args=(2, free_port(), str(out)), nprocs=2)
     return json.loads(out.read_text())
 
 

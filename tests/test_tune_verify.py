@@ -141,9 +141,9 @@ def _parse_on_rank(rank: int, path: str, port: int) -> None:
 def test_deepspeed_accepts_the_emitted_config_at_the_world_it_was_written_for(cli, tmp_path, monkeypatch):
     """DeepSpeed's own config parser, in a 2-rank gloo group, takes the file (its batch-size check included)."""
     pytest.importorskip("deepspeed")
-    import socket
-
     import torch.multiprocessing as mp
+
+    from zbench.launch.ports import free_port
 
     monkeypatch.setenv("ZBENCH_CACHE_DIR", str(tmp_path / "cache"))
     r = cli("tune", "--model", "tiny", "--gpus", "2", "--cluster", "cpu-2core", "--precision", "bf16", "-i", "zero2",
@@ -152,7 +152,4 @@ def test_deepspeed_accepts_the_emitted_config_at_the_world_it_was_written_for(cl
     assert r.returncode == 0, r.stderr
     written = json.loads((tmp_path / "ds.json").read_text())
     assert written["gradient_accumulation_steps"] == 2 and written["bf16"]["enabled"]  # 256 = 2 x 32 x 2 x 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_parse_on_rank, args=(str(tmp_path / "ds.json"), port), nprocs=2)
+    mp.spawn(_parse_on_rank, args=(str(tmp_path / "ds.json"), free_port()), nprocs=2)

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zbench.launch.ports import free_port
+
 SUITE = """
 name: cpu-profile
 device: cpu
@@ -99,12 +101,7 @@ def _latency_rank(rank: int, port: int, out: str) -> None:
 
 
 def small_all_reduce_s(tmp: Path) -> float:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_latency_rank, args=(port, str(tmp / "latency.json")), nprocs=2)
+    mp.spawn(_latency_rank, args=(free_port(), str(tmp / "latency.json")), nprocs=2)
     return float(json.loads((tmp / "latency.json").read_text()))
 
 

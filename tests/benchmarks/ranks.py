@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -21,15 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zbench.launch.ports import free_port
+
 RankFn = Callable[..., Any]
 """``fn(rank, world, *args)``, module-level (spawn pickles it by name); rank 0's return value must be JSON-able."""
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the OS picks it), for the group's TCP store."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, world: int, port: int, threads: int, out: str, fn: RankFn, args: tuple[Any, ...]) -> None:

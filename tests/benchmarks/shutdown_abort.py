@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import subprocess
 import sys
 from collections import Counter
+
+from zbench.launch.ports import free_port
 
 RANK_PROGRAM = r"""
 import os, sys, torch, torch.distributed as dist
@@ -39,12 +40,6 @@ if how == "os_exit":
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(0)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(world: int, how: str) -> list[int]:

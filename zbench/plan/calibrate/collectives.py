@@ -10,7 +10,6 @@ back-to-back calls from a barrier, the slowest rank's time of each (``_per_call_
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import tempfile
 import time
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zbench.launch.ports import free_port
 from zbench.measure.timing import synchronize
 from zbench.plan.calibrate.fit import FitError, fit_alpha_beta
 from zbench.plan.simulate.calibration import CollectiveCurve
@@ -127,12 +127,6 @@ def _issue_seconds(device: torch.device, ranks: int, calls: int = 200) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 #: Spawns of the ranks before a curve that stays flat is reported as noise. Each new spawn can only lower a
 #: size's time (``fastest_points``), so a burst of load from other work is outlasted rather than averaged in.
 ATTEMPTS = 3
@@ -148,7 +142,7 @@ def measure(
     def run_once() -> tuple[Points, float]:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "collectives.json"
-            mp.spawn(_rank, args=(ranks, _free_port(), backend, quick, str(out)), nprocs=ranks)
+            mp.spawn(_rank, args=(ranks, free_port(), backend, quick, str(out)), nprocs=ranks)
             data = json.loads(out.read_text())
         points = {op: [(int(b), float(s)) for b, s in raw] for op, raw in data["points"].items()}
         return points, float(data["issue_s"])
