@@ -17,20 +17,29 @@ there; parameters are copied to the device before each unit's all-gather. That
 is the suite's ``optimizer+params`` mode, at stage 3 (the formulas hold parameter
 offload to stage 3); FSDP2 cannot offload the optimizer alone nor to NVMe, so
 those modes are skipped with that reason.
+
+Option ``prefetch`` (0, its default, 1 or 2): how many units ahead each unit issues its all-gathers
+(``set_modules_to_forward_prefetch`` and ``..._backward_prefetch``, torchtitan's explicit prefetching). At 0 torch
+schedules them itself: in forward each unit's gather is issued when its forward begins (the host running ahead of
+the GPU issues it early), in backward the next unit's is issued ahead implicitly. At ``n`` each unit issues the
+next ``n`` units' gathers before its own compute, on FSDP2's all-gather stream, and up to ``n`` more units are
+gathered at once. On a CPU nothing overlaps either way: FSDP2 calls its collectives synchronously (no
+``async_op``; its overlap is CUDA streams), so a prefetched gather blocks the rank where it is issued.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zbench.implementations._common import accumulate, full_parameters_of, global_grad_norm, may_leave_unused
-from zbench.protocol import Capabilities, EngineBase, MicroBatch, ModelShape, TrainSpec, root_held
+from zbench.protocol import Capabilities, EngineBase, MicroBatch, ModelShape, TrainSpec, Tunable, root_held
 from zbench.state_bytes import module_state_bytes, moved_to_host
 
 
@@ -55,6 +64,26 @@ def root_stays_gathered(shape: ModelShape) -> int:
     return 3 * shape.num_parameters - (shape.root_parameters - shape.shared_block_parameters)
 
 
+def prefetch_depth(spec: TrainSpec) -> int:
+    """The suite's ``options: {prefetch: n}``, checked (0: torch's own scheduling); other options are ignored, as a
+    suite may give every implementation the same ``options``."""
+    value = spec.options.get("prefetch", 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"fsdp option prefetch must be a whole number of units >= 0, got {value!r}")
+    return value
+
+
+def set_prefetch(units: list[FSDPModule], depth: int) -> None:
+    """Each unit (in forward order, the root first) issues the gathers of the next ``depth`` units before its
+    forward and of the ``depth`` before it before its backward; 0 leaves torch's own scheduling."""
+    if depth == 0:
+        return
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + depth])
+        if i > 0:  # the root's backward comes last: nothing is left to gather after it
+            unit.set_modules_to_backward_prefetch(units[max(1, i - depth) : i][::-1])
+
+
 class FSDPEngine(EngineBase):
     def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         self.spec = spec
@@ -72,10 +101,13 @@ class FSDPEngine(EngineBase):
             shard = functools.partial(shard, reshard_after_forward=False)
         # (stage 3 leaves torch's default, which reshards every unit but the root; an explicit True would regather
         # the root for backward too)
+        units = []
         for blocks in shard_groups(model):
             shard(blocks)
+            units.append(cast(FSDPModule, blocks[0]))  # a group's modules share one FSDP state
         sharded = shard(model)
         assert isinstance(sharded, nn.Module)  # ``model`` itself, its class now a subclass of FSDPModule too
+        set_prefetch([cast(FSDPModule, sharded), *units], prefetch_depth(spec))
         if may_leave_unused(model) and hasattr(sharded, "set_reduce_scatter_unused_params"):
             # FSDP2's setting for experts no token reached: zeros from a rank that did not use a parameter, as
             # DDP's find_unused_parameters; without it the ranks' reduce-scatters differ in size and gloo aborts.
@@ -125,7 +157,13 @@ class FSDP:
         offload_keeps_master=False,
         parameters_sharded_from_stage=2,
         shards_parameters_by_rows=True,
-    )
+        tunables=(
+            Tunable(
+                "prefetch", (0, 1, 2),
+                trades="gathers issued ahead, overlapping the compute before them, against more units gathered at once",
+            ),
+        ),
+    )  # fmt: skip
 
     def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int | None:
         """Stage 3: 3Ψ less the root, which stays gathered from forward to backward; stage 2: the formula's 2Ψ."""

@@ -2,8 +2,9 @@
 fp32 and bf16 at world 2, fp32 at world 3 (uneven shards; how they shard does not depend on the precision).
 
 One suite run (a real ``zbench run``): FSDP1's ``NO_SHARD`` (stage 0), ``SHARD_GRAD_OP`` (stage 2) and
-``FULL_SHARD`` (stage 3), FSDP2's ``reshard_after_forward=False`` (stage 2) and ``True`` (stage 3), with
-gradient accumulation and clipping, next to DDP and its noise twin.
+``FULL_SHARD`` (stage 3), FSDP2's ``reshard_after_forward=False`` (stage 2) and ``True`` (stage 3), the latter
+also with its option ``prefetch: 2`` (each unit issuing the next two units' gathers ahead), with gradient
+accumulation and clipping, next to DDP and its noise twin.
 Each case must be equivalent to DDP (loss, gradient norm, parameters, model-state bytes), hold the
 model states its layout implies within 2% (stage 2 holds sharded parameters between steps:
 ``Capabilities.parameters_sharded_from_stage``), and send what its declared pattern says. FSDP1's CPU
@@ -24,7 +25,7 @@ SUITE = """
 name: fsdp-strategies
 device: cpu
 models: tiny
-implementations: [ddp, fsdp1, fsdp]
+implementations: [ddp, fsdp1, fsdp, {name: fsdp, stages: [3], offload: [none], options: {prefetch: 2}}]
 world_sizes: [2, 3]
 precisions: [fp32, bf16]
 offload: [none, optimizer+params]
@@ -43,6 +44,7 @@ STRATEGIES = {
     ("fsdp1", 3): "FULL_SHARD",
     ("fsdp", 2): "fsdp2-no-reshard-after-forward",
     ("fsdp", 3): "fsdp2-reshard-after-forward",
+    ("fsdp-prefetch2", 3): "fsdp2-prefetching-two-units",
 }
 KEYS = [(*strategy, 2, precision) for strategy in STRATEGIES for precision in ("fp32", "bf16")]
 KEYS += [(*strategy, 3, "fp32") for strategy in STRATEGIES]
@@ -57,11 +59,17 @@ def run(tmp_path_factory):
     r = zbench("run", str(tmp / "s.yaml"), *SELECT, "--results", str(tmp / "results"), "--report", str(tmp / "rep"))
     cases = [json.loads(p.read_text()) for p in (tmp / "results").glob("*/cases/*.json")]
     return r, {
-        (c["config"]["implementation"], c["config"]["stage"], c["config"]["world_size"], c["config"]["precision"],
+        (_name(c["config"]), c["config"]["stage"], c["config"]["world_size"], c["config"]["precision"],
          c["config"]["offload"]): c
         for c in cases
         if c["config"]["implementation"] != "ddp"
     }  # fmt: skip
+
+
+def _name(config: dict) -> str:
+    """The implementation, with its prefetch depth where the suite set one (``STRATEGIES``' first key)."""
+    depth = config["options"].get("prefetch")
+    return config["implementation"] + (f"-prefetch{depth}" if depth else "")
 
 
 def _id(key: tuple[str, int, int, str]) -> str:
@@ -90,13 +98,13 @@ def test_model_states_and_traffic_as_declared(run, key):
     assert abs(case["model_state"]["error_rel"]) <= 0.02, case["model_state"]
     comms, psi = case["comms"], case["model_parameters"]
     expected = comms["expected_elements"]
-    if key[0] == "fsdp":  # FSDP2 pads each parameter's rows to a multiple of the world: one reduce-scatter of it
+    if key[0] in ("fsdp", "fsdp-prefetch2"):  # FSDP2 pads each parameter's rows to a multiple of the world
         padded = sum(e["elements"] for op, e in comms["by_op"].items() if op.startswith("reduce_scatter"))
         assert psi <= padded <= 1.02 * psi, (padded, psi)
         expected, psi = expected * padded / psi, padded
     if key[1] == 3:
         expected += (case["config"]["grad_accum"] - 1) * (expected - psi)  # every gather again; one reduce-scatter
-    elif key == ("fsdp", 2, *key[2:]):
+    elif key[:2] == ("fsdp", 2):
         assert expected == 2 * psi  # gathered once in forward, kept to backward, reduce-scattered once
         expected += (case["config"]["grad_accum"] - 1) * psi  # FSDP2 frees after each backward: gathers again
     assert abs(comms["elements_per_step"] - expected) <= 0.01 * expected, (comms["elements_per_step"], comms["by_op"])

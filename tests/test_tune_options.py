@@ -45,7 +45,8 @@ def test_variants_move_one_declared_option_at_a_time_and_never_a_fixed_one():
     assert [v.options for v in variants(case("zero3", 3), {})] == [{"prefetch": 0}, {"prefetch": 2}]  # no buckets
     assert [v.options for v in variants(case("ddp", 0), {})] == [{"bucket_mb": 5.0}, {"bucket_mb": 100.0}]
     assert variants(case("zero3", 3, prefetch=1), {"prefetch": 1}) == []  # the user's --option stands
-    assert variants(case("fsdp", 3), {}) == []  # declares none
+    assert [v.options for v in variants(case("fsdp", 3), {})] == [{"prefetch": 1}, {"prefetch": 2}]
+    assert variants(case("torch_zero", 1), {}) == []  # declares none
 
 
 def test_the_option_search_keeps_what_is_faster_or_leaner_and_counts_the_rest(with_options):
@@ -279,6 +280,43 @@ def test_fsdp1_backward_prefetch_post_holds_a_unit_less_and_waits_for_backwards_
     assert everything.exposed_comm_s == pytest.approx(after.comm_s)  # both phases waited for: nothing hidden
     assert before.exposed_comm_s < after.exposed_comm_s < everything.exposed_comm_s  # forward still hides
     assert after.exposed_comm_s - before.exposed_comm_s <= after.phase_comm_s["backward"]
+
+
+def test_fsdp2_prefetch_holds_more_units_gathered_and_sends_the_same():
+    """The option reaches FSDP2 (traced at `small` on 8 ranks, short rows so that parameters, not activations, make
+    the peak): one unit ahead holds what torch's own scheduling holds (its implicit backward prefetch is one unit),
+    two units ahead one more unit's gathered parameters, with the same collectives; the step model hides them
+    alike (no ``serialized_at``), so ``zbench tune`` keeps a prefetch only where it is predicted faster or leaner."""
+    from zbench.plan.simulate import cluster as clusters
+    from zbench.plan.simulate.sweep import estimate_row, serialized
+    from zbench.plan.trace.plan import make_case, trace_plan
+
+    def traced(depth: int):
+        case = make_case("small", "fsdp", 3, "none", gpus=8, precision="bf16", micro_batch=1, seq_len=64,
+                         device="cpu", checkpointing=False, options={"prefetch": depth})  # fmt: skip
+        (row,) = trace_plan([case], device="cpu")
+        assert row.trace.error is None, row.trace.error
+        return row
+
+    rows = [traced(depth) for depth in (0, 1, 2)]
+    gathered = [r.trace.peak["device"]["roles"]["gathered parameters"] for r in rows]
+    assert gathered[0] == gathered[1] and gathered[2] == 2 * gathered[0]  # small's units are alike: one more
+    assert rows[2].trace.peak["device"]["bytes"] > rows[0].trace.peak["device"]["bytes"]
+    assert all(serialized(r.case) == frozenset() for r in rows)
+    h100 = clusters.load("h100-sxm")
+    assert len({repr(estimate_row(r, h100, 64).phase_comm_s) for r in rows}) == 1
+
+
+def test_fsdp2_rejects_a_prefetch_that_is_not_a_count_of_units_in_one_line():
+    import torch
+
+    from zbench.implementations.fsdp import prefetch_depth
+    from zbench.protocol import TrainSpec
+
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=f"fsdp option prefetch must be a whole number of units >= 0, got {bad!r}"):
+            prefetch_depth(TrainSpec(device=torch.device("cpu"), stage=3, options={"prefetch": bad}))
+    assert prefetch_depth(TrainSpec(device=torch.device("cpu"))) == 0  # torch's own scheduling
 
 
 def _serialize_both(case):
