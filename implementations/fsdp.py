@@ -24,7 +24,8 @@ schedules them itself: in forward each unit's gather is issued when its forward 
 the GPU issues it early), in backward the next unit's is issued ahead implicitly. At ``n`` each unit issues the
 next ``n`` units' gathers before its own compute, on FSDP2's all-gather stream, and up to ``n`` more units are
 gathered at once. On a CPU nothing overlaps either way: FSDP2 calls its collectives synchronously (no
-``async_op``; its overlap is CUDA streams), so a prefetched gather blocks the rank where it is issued.
+``async_op``; its overlap is CUDA streams), so a prefetched gather blocks the rank where it is issued. ``zbench
+tune`` does not search it (docs/methods.md#tuning-zbench-tune): its step model has nothing to rank it by.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zbench.implementations._common import accumulate, full_parameters_of, global_grad_norm, may_leave_unused
-from zbench.protocol import Capabilities, EngineBase, MicroBatch, ModelShape, TrainSpec, Tunable, root_held
+from zbench.protocol import Capabilities, EngineBase, MicroBatch, ModelShape, TrainSpec, root_held
 from zbench.state_bytes import module_state_bytes, moved_to_host
 
 
@@ -157,13 +158,7 @@ class FSDP:
         offload_keeps_master=False,
         parameters_sharded_from_stage=2,
         shards_parameters_by_rows=True,
-        tunables=(
-            Tunable(
-                "prefetch", (0, 1, 2),
-                trades="gathers issued ahead, overlapping the compute before them, against more units gathered at once",
-            ),
-        ),
-    )  # fmt: skip
+    )
 
     def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int | None:
         """Stage 3: 3Ψ less the root, which stays gathered from forward to backward; stage 2: the formula's 2Ψ."""

@@ -45,8 +45,7 @@ def test_variants_move_one_declared_option_at_a_time_and_never_a_fixed_one():
     assert [v.options for v in variants(case("zero3", 3), {})] == [{"prefetch": 0}, {"prefetch": 2}]  # no buckets
     assert [v.options for v in variants(case("ddp", 0), {})] == [{"bucket_mb": 5.0}, {"bucket_mb": 100.0}]
     assert variants(case("zero3", 3, prefetch=1), {"prefetch": 1}) == []  # the user's --option stands
-    assert [v.options for v in variants(case("fsdp", 3), {})] == [{"prefetch": 1}, {"prefetch": 2}]
-    assert variants(case("torch_zero", 1), {}) == []  # declares none
+    assert variants(case("fsdp", 3), {}) == []  # declares none (its prefetch: see the FSDP2 test below)
 
 
 def test_the_option_search_keeps_what_is_faster_or_leaner_and_counts_the_rest(with_options):
@@ -259,16 +258,8 @@ def test_fsdp1_backward_prefetch_post_holds_a_unit_less_and_waits_for_backwards_
     backward's collectives as exposed and hides forward's as before (``Tunable.serialized_phases``)."""
     from zbench.plan.simulate import cluster as clusters
     from zbench.plan.simulate.sweep import estimate_row, serialized
-    from zbench.plan.trace.plan import make_case, trace_plan
 
-    def traced(value: str):
-        case = make_case("small", "fsdp1", 3, "none", gpus=8, precision="bf16", micro_batch=1, seq_len=512,
-                         device="cpu", checkpointing=False, options={"backward_prefetch": value})  # fmt: skip
-        (row,) = trace_plan([case], device="cpu")
-        assert row.trace.error is None, row.trace.error
-        return row
-
-    pre, post = traced("pre"), traced("post")
+    pre, post = _small_at_stage_3("fsdp1", 512, [{"backward_prefetch": "pre"}, {"backward_prefetch": "post"}])
     gathered = [r.trace.peak["device"]["roles"]["gathered parameters"] for r in (pre, post)]
     assert gathered[1] < gathered[0]
     assert post.trace.peak["device"]["bytes"] < pre.trace.peak["device"]["bytes"]
@@ -285,20 +276,12 @@ def test_fsdp1_backward_prefetch_post_holds_a_unit_less_and_waits_for_backwards_
 def test_fsdp2_prefetch_holds_more_units_gathered_and_sends_the_same():
     """The option reaches FSDP2 (traced at `small` on 8 ranks, short rows so that parameters, not activations, make
     the peak): one unit ahead holds what torch's own scheduling holds (its implicit backward prefetch is one unit),
-    two units ahead one more unit's gathered parameters, with the same collectives; the step model hides them
-    alike (no ``serialized_at``), so ``zbench tune`` keeps a prefetch only where it is predicted faster or leaner."""
+    two units ahead one more unit's gathered parameters, with the same collectives, which the step model hides alike:
+    no faster and no leaner whatever the depth, which is why ``zbench tune`` does not search it."""
     from zbench.plan.simulate import cluster as clusters
     from zbench.plan.simulate.sweep import estimate_row, serialized
-    from zbench.plan.trace.plan import make_case, trace_plan
 
-    def traced(depth: int):
-        case = make_case("small", "fsdp", 3, "none", gpus=8, precision="bf16", micro_batch=1, seq_len=64,
-                         device="cpu", checkpointing=False, options={"prefetch": depth})  # fmt: skip
-        (row,) = trace_plan([case], device="cpu")
-        assert row.trace.error is None, row.trace.error
-        return row
-
-    rows = [traced(depth) for depth in (0, 1, 2)]
+    rows = _small_at_stage_3("fsdp", 64, [{"prefetch": depth} for depth in (0, 1, 2)])
     gathered = [r.trace.peak["device"]["roles"]["gathered parameters"] for r in rows]
     assert gathered[0] == gathered[1] and gathered[2] == 2 * gathered[0]  # small's units are alike: one more
     assert rows[2].trace.peak["device"]["bytes"] > rows[0].trace.peak["device"]["bytes"]
@@ -317,6 +300,17 @@ def test_fsdp2_rejects_a_prefetch_that_is_not_a_count_of_units_in_one_line():
         with pytest.raises(ValueError, match=f"fsdp option prefetch must be a whole number of units >= 0, got {bad!r}"):
             prefetch_depth(TrainSpec(device=torch.device("cpu"), stage=3, options={"prefetch": bad}))
     assert prefetch_depth(TrainSpec(device=torch.device("cpu"))) == 0  # torch's own scheduling
+
+
+def _small_at_stage_3(implementation: str, seq_len: int, options: list[dict]) -> list:
+    """`small` at stage 3 on 8 ranks in bf16, one micro-batch of ``seq_len`` tokens, traced with each of ``options``."""
+    from zbench.plan.trace.plan import make_case, trace_plan
+
+    cases = [make_case("small", implementation, 3, "none", gpus=8, precision="bf16", micro_batch=1, seq_len=seq_len,
+                       device="cpu", checkpointing=False, options=o) for o in options]  # fmt: skip
+    rows = trace_plan(cases, device="cpu")
+    assert all(row.trace.error is None for row in rows), [row.trace.error for row in rows]
+    return rows
 
 
 def _serialize_both(case):

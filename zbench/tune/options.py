@@ -1,6 +1,6 @@
 """``zbench tune``'s second pass: the options each implementation declares worth searching (``Tunable``: our
-engines' bucket size and prefetch, DDP's bucket size, FSDP1's backward prefetch, FSDP2's prefetch depth), tried on
-the setups that can win and on those that missed the GPU by the least.
+engines' bucket size and prefetch, DDP's bucket size, FSDP1's backward prefetch), tried on the setups that can
+win and on those that missed the GPU by the least.
 
 Every option value times every setup of the first pass would multiply its traces by the options' values, so the
 search is local: the top setups and each implementation's best, each with one option at a time moved off its
