@@ -186,7 +186,13 @@ def test_two_cuts_extrapolated_over_blocks_give_the_whole_models_figures():
     cases = [make_case("gpt-350m", name, stage, "none", gpus=2, precision="bf16", micro_batch=1, seq_len=16,
                        device="cpu", checkpointing=ckpt) for name, stage, ckpt in setups]  # fmt: skip
     assert all(can_extrapolate(c) for c in cases)
-    rows = trace_plan([job for c in cases for job in (c, *cuts(c))], device="cpu")
+    said: list[str] = []
+    rows = trace_plan([job for c in cases for job in (c, *cuts(c))], device="cpu", progress=said.append)
+    assert [line for line in said if line.startswith("[")][:3] == [  # each cut's line says which (not a heartbeat)
+        "[1/6] tracing ddp stage 0 offload none",
+        "[2/6] tracing ddp stage 0 offload none, cut to 5 blocks",
+        "[3/6] tracing ddp stage 0 offload none, cut to 6 blocks",
+    ]
     for i, case in enumerate(cases):
         whole, shallow, deeper = rows[3 * i : 3 * i + 3]
         assert shallow.case.model == "gpt-350m@blocks=5" and not whole.trace.error

@@ -23,6 +23,7 @@ import torch
 from zbench.cases import registry
 from zbench.cases.case import Case
 from zbench.cases.formulas import offload_supported, placement_for
+from zbench.depth import split_depth
 from zbench.plan.trace.heartbeat import Heartbeat
 from zbench.plan.trace.shims import fake_world
 from zbench.plan.trace.tracer import TraceResult, trace_case, why_untraceable
@@ -230,6 +231,8 @@ def trace_plan(
                     ", checkpointing" if case.activation_checkpointing else ""
                 )
             what += case.options_text
+            if (blocks := split_depth(case.model)[1]) is not None:  # tune's cuts: two lines a setup, told apart
+                what += f", cut to {blocks} blocks"
             if progress:
                 progress(f"[{i}/{len(cases)}] tracing {what}")
             beat.task(what)
