@@ -315,6 +315,38 @@ def test_what_is_held_between_steps_is_the_model_states():
         assert states - grads <= held <= 1.15 * states + 65536, (impl, held, states)
 
 
+ONE_STEP_MORE = """
+import json, torch
+from zbench.plan.trace.plan import make_case
+from zbench.plan.trace.shims import fake_world
+from zbench.plan.trace.tracer import FAKE_STEPS, trace_case
+out = {}
+with fake_world(4):
+    for impl, stage, offload in (("ddp", 0, "none"), ("zero1", 1, "optimizer"), ("zero2", 2, "none"),
+                                 ("zero3", 3, "optimizer+params"), ("fsdp", 3, "none"), ("fsdp1", 3, "none"),
+                                 ("fsdp1", 0, "none"), ("torch_zero", 1, "none")):
+        case = make_case("tiny", impl, stage, offload, gpus=4, precision="bf16", micro_batch=2, seq_len=32,
+                         device="cpu", checkpointing=True)
+        out[f"{impl}-{stage}-{offload}"] = [trace_case(case, fake=True, device=torch.device("cpu"), steps=steps)
+                                            .to_json() for steps in (FAKE_STEPS, FAKE_STEPS + 1)]
+print(json.dumps(out))
+"""
+
+
+def test_a_fake_trace_records_what_one_step_more_would():
+    """``FAKE_STEPS`` is enough: every built-in that traces records the same model states, collectives, peak and
+    operators at one step more, so a trace (and tune's hundred of them) pays no step it does not need."""
+    result = subprocess.run(
+        [sys.executable, "-c", ONE_STEP_MORE], env=child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for setup, (recorded, one_more) in json.loads(result.stdout).items():
+        assert recorded["error"] is None, (setup, recorded["error"])
+        for field in ("state_bytes", "collectives", "phases", "peak", "ops"):
+            assert recorded[field] == one_more[field], (setup, field)
+
+
 def test_the_heartbeat_says_what_the_trace_does_until_it_ends():
     import time
 
