@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, CLIResult, child_env, zbench, zbench_many
-from zbench.launch.ports import free_port
+from zbench.ports import free_port
 from zbench.results.run_info import Environment, RunInfo, SuiteInfo
 from zbench.verdicts.regress import machine_fingerprint
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zbench.launch.ports import free_port
+from zbench.ports import free_port
 
 pytestmark = pytest.mark.heavy  # the heavy tier: `python -m pytest -m heavy`
 

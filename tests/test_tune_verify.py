@@ -143,7 +143,7 @@ def test_deepspeed_accepts_the_emitted_config_at_the_world_it_was_written_for(cl
     pytest.importorskip("deepspeed")
     import torch.multiprocessing as mp
 
-    from zbench.launch.ports import free_port
+    from zbench.ports import free_port
 
     monkeypatch.setenv("ZBENCH_CACHE_DIR", str(tmp_path / "cache"))
     r = cli("tune", "--model", "tiny", "--gpus", "2", "--cluster", "cpu-2core", "--precision", "bf16", "-i", "zero2",

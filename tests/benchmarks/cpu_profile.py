@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zbench.launch.ports import free_port
+from zbench.ports import free_port
 
 SUITE = """
 name: cpu-profile

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zbench.launch.ports import free_port
+from zbench.ports import free_port
 
 RankFn = Callable[..., Any]
 """``fn(rank, world, *args)``, module-level (spawn pickles it by name); rank 0's return value must be JSON-able."""

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from collections import Counter
 
-from zbench.launch.ports import free_port
+from zbench.ports import free_port
 
 RANK_PROGRAM = r"""
 import os, sys, torch, torch.distributed as dist

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zbench.launch.ports import free_port
 from zbench.measure.timing import synchronize
 from zbench.plan.calibrate.fit import FitError, fit_alpha_beta
 from zbench.plan.simulate.calibration import CollectiveCurve
+from zbench.ports import free_port
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 # torch 2.14 renamed the tensor forms (the old names warn); the reference engine picks them the same way.
