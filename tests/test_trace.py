@@ -83,23 +83,25 @@ def run_real(world: int, rank: int, out: Path) -> None:
         timeout=datetime.timedelta(seconds=300),
     )  # fmt: skip
     cpu = torch.device("cpu")
+    results: dict[str, dict] = {}
 
-    def traced(name: str, case) -> dict:
+    def trace_as(name: str, case) -> None:
         # each rank's log (shown when a group fails) says which case it was in: a rank aborted once in a collective
         # the others were not in, at world 4, in CI and once of two local runs beside test_world4 (2026-11-28)
         print(f"rank {rank}: {name}", flush=True)
-        return trace_case(case, fake=False, device=cpu).to_json()
+        results[name] = trace_case(case, fake=False, device=cpu).to_json()
 
     with instant_network():
-        results = {key(*c): traced(key(*c), case) for c, case in zip(CASES, cases(world))}
+        for c, case in zip(CASES, cases(world)):
+            trace_as(key(*c), case)
     for c, case in zip(CASES, cases(world)):  # free-running gloo, where its timing moves the peak
         if world == 2 and c[0] == "small" and c[1] not in TIMING_FREE:
-            results["as-is:" + key(*c)] = traced("as-is:" + key(*c), case)
+            trace_as("as-is:" + key(*c), case)
     for c, repeats in REPEATS.items():  # the cases whose real peak moves from run to run
         case = cases(world)[CASES.index(c)]
         for again in range(1, repeats):
             with instant_network():
-                results[f"again{again}:" + key(*c)] = traced(f"again{again}:" + key(*c), case)
+                trace_as(f"again{again}:" + key(*c), case)
     hand_back_and_exit(results, out, rank)
 
 
