@@ -237,25 +237,29 @@ def _searched(q: Any, profile: Any, limits: Any, *, fresh: bool, whole: bool, op
     from zbench.tune import deepspeed_estimate, search, space
     from zbench.tune import options as tunables
     from zbench.tune.cache import TraceCache
+    from zbench.tune.tracers import Tracers
 
     found = space.search_space(q)
     found.left_out.extend(deepspeed_estimate.left_out(q))
     if not found.cases:
         raise UsageError("nothing to search: " + "; ".join(found.left_out or ["no setup runs here"]))
     cache = TraceCache()
+    with Tracers() as tracers:
 
-    def run(cases: list) -> list:
-        return search.search(
-            cases, profile, limits, cache=cache, fresh=fresh, progress=trace_mod.stderr_progress, extrapolate=not whole
-        )
+        def run(cases: list) -> list:
+            return search.search(
+                cases, profile, limits, cache=cache, tracers=tracers, fresh=fresh,
+                progress=trace_mod.stderr_progress, extrapolate=not whole,
+            )  # fmt: skip
 
-    ranked = run(found.cases)
-    searched = tunables.declared(q.implementations, q.options) if options else []
-    if searched:
-        trace_mod.stderr_progress("options: the fastest setups and each implementation's best, one option at a time")
-        found_options = tunables.search_options(ranked, q.options, run)
-        ranked = search.ranked(ranked + found_options.kept)
-        searched.append(found_options.summary)
+        ranked = run(found.cases)
+        searched = tunables.declared(q.implementations, q.options) if options else []
+        if searched:
+            say = trace_mod.stderr_progress
+            say("options: the fastest setups and each implementation's best, one option at a time")
+            found_options = tunables.search_options(ranked, q.options, run)
+            ranked = search.ranked(ranked + found_options.kept)
+            searched.append(found_options.summary)
     ranked = search.ranked(ranked + deepspeed_estimate.estimate(q, ranked, profile, limits))
     if ranked[0].pruned is not None:  # the survivors come first
         raise UsageError(_nothing_fits(ranked, limits))

@@ -11,26 +11,21 @@ measured error its compute model has against real runs.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import sys
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from zbench.cases.case import Case
 from zbench.cases.formulas import placement_for
-from zbench.errors import OneLineError
 from zbench.plan.memory import usable_bytes
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.step import StepEstimate
 from zbench.plan.simulate.sweep import estimate_row
-from zbench.plan.trace.plan import TracedRow, trace_plan
+from zbench.plan.trace.plan import TracedRow
 from zbench.results.formatting import fmt_bytes
 from zbench.tune.cache import TraceCache, trace_key
 from zbench.tune.extrapolate import DEPTHS, Extrapolated, can_extrapolate, cuts
 from zbench.tune.space import describe
+from zbench.tune.tracers import Tracers
 
 GIB = 2**30
 
@@ -118,46 +113,6 @@ def prune(candidate: Candidate, limits: Limits, *, needs: Needs | None = None, b
             return
 
 
-def trace_in_parallel(
-    jobs: list[Case], *, progress: Callable[[str], None], done: Callable[[Case, TracedRow], None]
-) -> list[TracedRow]:
-    """``trace_plan`` of each of ``jobs``, in their order, spread over one process per usable core (a fake trace
-    runs Python on one core; each process holds its own fake process group). ``done`` hears each trace as it
-    finishes (the cache keeps it), so a worker that dies loses only its own trace: the rest are kept, and the
-    failure is one line."""
-    workers = min(len(jobs), len(os.sched_getaffinity(0)))
-    if workers < 2:
-        in_order = trace_plan(jobs, device=jobs[0].device, progress=progress)
-        for job, row in zip(jobs, in_order, strict=True):
-            done(job, row)
-        return in_order
-    progress(f"tracing in {workers} processes")
-    rows: dict[int, TracedRow] = {}
-    try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(_trace_one, job, i, len(jobs)): i for i, job in enumerate(jobs)}
-            for future in as_completed(futures):
-                i = futures[future]
-                rows[i] = future.result()
-                done(jobs[i], rows[i])
-    except BrokenProcessPool:
-        raise OneLineError(
-            f"a tracing process died ({len(rows)} of {len(jobs)} traces finished and are cached; out of memory? "
-            "run again to trace the rest)"
-        ) from None
-    return [rows[i] for i in range(len(jobs))]
-
-
-def _trace_one(job: Case, index: int, total: int) -> TracedRow:
-    """One job of ``trace_in_parallel`` in a worker process, its progress on stderr."""
-
-    def say(line: str) -> None:
-        print(f"[{index + 1}/{total}] {line.strip().removeprefix('[1/1] ')}", file=sys.stderr, flush=True)
-
-    (row,) = trace_plan([job], device=job.device, progress=say)
-    return row
-
-
 @dataclass
 class Traced:
     """One setup's trace: whole, or the line through two cuts of its model (``extrapolated``)."""
@@ -176,6 +131,7 @@ def trace_all(
     cases: list[Case],
     *,
     cache: TraceCache | None,
+    tracers: Tracers,
     progress: Callable[[str], None],
     extrapolate: bool = True,
     fresh: bool = False,
@@ -200,7 +156,7 @@ def trace_all(
             if cache:
                 cache.put(job, row.trace)
 
-        trace_in_parallel(missing, progress=progress, done=keep)
+        tracers.trace(missing, progress=progress, done=keep)
     traced_now = {trace_key(job) for job in missing}
     out = []
     for c in cases:
@@ -242,6 +198,7 @@ def search(
     limits: Limits,
     *,
     cache: TraceCache | None,
+    tracers: Tracers,
     progress: Callable[[str], None],
     extrapolate: bool = True,
     fresh: bool = False,
@@ -277,8 +234,9 @@ def search(
             continue
         progress(f"micro-batch {mb}: {len(batch)} setups")
         traced = trace_all(
-            [c.case for c in batch], cache=cache, progress=progress, extrapolate=extrapolate, fresh=fresh
-        )
+            [c.case for c in batch], cache=cache, tracers=tracers, progress=progress, extrapolate=extrapolate,
+            fresh=fresh,
+        )  # fmt: skip
         for c, t in zip(batch, traced, strict=True):
             _judge(c, t, cluster, limits)
             if c.pruned and c.pruned.startswith("GPU"):

@@ -1,0 +1,90 @@
+"""The processes that trace a search's setups: one per usable core, started once for a whole ``zbench tune`` and
+kept across its rounds.
+
+A fake trace runs Python on one core, so a search spreads its traces over processes. A search traces in rounds
+(each micro-batch, then each option: seven rounds for gpt-70b on 64 GPUs), and a new process pays ~4 s importing
+torch and zbench before its first trace. A pool per round paid that, and a second to shut down, in every round;
+one pool for the search pays it once, while the caller is still pruning by the formulas.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from types import TracebackType
+
+from zbench.cases.case import Case
+from zbench.errors import OneLineError
+from zbench.plan.trace.plan import TracedRow, trace_plan
+
+
+class Tracers:
+    """A context: ``trace`` spreads traces over one process per usable core (in this process when there is one).
+
+    A process that dies loses only the trace it was running: every finished trace has been handed to ``done``
+    (the cache keeps it) and the failure is one line."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = workers or len(os.sched_getaffinity(0))
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> Tracers:
+        if self.workers >= 2:
+            self._pool = ProcessPoolExecutor(
+                self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_import_tracer
+            )
+            # a process starts when a task finds none idle: start them all now, to import while the caller works
+            for _ in range(self.workers):
+                self._pool.submit(_ready)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+    def trace(
+        self, jobs: list[Case], *, progress: Callable[[str], None], done: Callable[[Case, TracedRow], None]
+    ) -> list[TracedRow]:
+        """``trace_plan`` of each of ``jobs``, in their order; ``done`` hears each trace as it finishes."""
+        if self._pool is None or len(jobs) < 2:
+            in_order = trace_plan(jobs, device=jobs[0].device, progress=progress)
+            for job, row in zip(jobs, in_order, strict=True):
+                done(job, row)
+            return in_order
+        progress(f"tracing in {self.workers} processes")
+        rows: dict[int, TracedRow] = {}
+        try:
+            futures = {self._pool.submit(_trace_one, job, i, len(jobs)): i for i, job in enumerate(jobs)}
+            for future in as_completed(futures):
+                i = futures[future]
+                rows[i] = future.result()
+                done(jobs[i], rows[i])
+        except BrokenProcessPool:
+            raise OneLineError(
+                f"a tracing process died ({len(rows)} of {len(jobs)} traces finished and are cached; out of memory? "
+                "run again to trace the rest)"
+            ) from None
+        return [rows[i] for i in range(len(jobs))]
+
+
+def _import_tracer() -> None:
+    """A process's first work: what every trace needs imported (torch among it)."""
+    import zbench.plan.trace.tracer  # noqa: F401
+
+
+def _ready() -> None:
+    """A task that only makes the pool start a process."""
+
+
+def _trace_one(job: Case, index: int, total: int) -> TracedRow:
+    """One job in a worker process, its progress on stderr."""
+
+    def say(line: str) -> None:
+        print(f"[{index + 1}/{total}] {line.strip().removeprefix('[1/1] ')}", file=sys.stderr, flush=True)
+
+    (row,) = trace_plan([job], device=job.device, progress=say)
+    return row
