@@ -4,7 +4,8 @@ kept across its rounds.
 A fake trace runs Python on one core, so a search spreads its traces over processes. A search traces in rounds
 (each micro-batch, then each option: seven rounds for gpt-70b on 64 GPUs), and a new process pays ~4 s importing
 torch and zbench before its first trace. A pool per round paid that, and a second to shut down, in every round;
-one pool for the search pays it once, while the caller is still pruning by the formulas.
+one pool for the search pays it once, at the first round that has anything to trace (a question answered from
+the cache starts none).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from zbench.plan.trace.plan import TracedRow, trace_plan
 
 
 class Tracers:
-    """A context: ``trace`` spreads traces over one process per usable core (in this process when there is one).
+    """A context: ``trace`` spreads traces over one process per usable core (in this process when there is one, or
+    one trace), the same processes for every call until the context ends.
 
     A process that dies loses only the trace it was running: every finished trace has been handed to ``done``
     (the cache keeps it) and the failure is one line."""
@@ -34,13 +36,6 @@ class Tracers:
         self._pool: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> Tracers:
-        if self.workers >= 2:
-            self._pool = ProcessPoolExecutor(
-                self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_import_tracer
-            )
-            # a process starts when a task finds none idle: start them all now, to import while the caller works
-            for _ in range(self.workers):
-                self._pool.submit(_ready)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
@@ -51,12 +46,16 @@ class Tracers:
         self, jobs: list[Case], *, progress: Callable[[str], None], done: Callable[[Case, TracedRow], None]
     ) -> list[TracedRow]:
         """``trace_plan`` of each of ``jobs``, in their order; ``done`` hears each trace as it finishes."""
-        if self._pool is None or len(jobs) < 2:
+        if self.workers < 2 or len(jobs) < 2:
             in_order = trace_plan(jobs, device=jobs[0].device, progress=progress)
             for job, row in zip(jobs, in_order, strict=True):
                 done(job, row)
             return in_order
         progress(f"tracing in {self.workers} processes")
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(
+                self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_import_tracer
+            )
         rows: dict[int, TracedRow] = {}
         try:
             futures = {self._pool.submit(_trace_one, job, i, len(jobs)): i for i, job in enumerate(jobs)}
@@ -81,10 +80,6 @@ def _import_tracer() -> None:
 
     gc.collect()
     gc.freeze()
-
-
-def _ready() -> None:
-    """A task that only makes the pool start a process."""
 
 
 def _trace_one(job: Case, index: int, total: int) -> TracedRow:
