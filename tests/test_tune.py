@@ -414,7 +414,8 @@ def test_one_set_of_tracing_processes_serves_every_round_in_its_jobs_order():
     """``Tracers`` start their processes at the first round with traces to run and keep them: two rounds are traced
     by the same processes (a pool per round paid ~4 s of imports in each of a 64-GPU search's seven rounds), each
     round's rows in its jobs' order, each trace handed to ``done`` as it finishes. A search answered from the cache
-    starts none (starting them anyway took a warm 64-GPU question from 5.7 s to 9.9 s)."""
+    starts none (starting them anyway took a warm 64-GPU question from 5.7 s to 9.9 s), nor does a first round of
+    one trace."""
     from multiprocessing import active_children
 
     from zbench.plan.trace.plan import make_case
@@ -427,15 +428,16 @@ def test_one_set_of_tracing_processes_serves_every_round_in_its_jobs_order():
     def children() -> set[int]:
         return {p.pid for p in active_children()} - before
 
-    with Tracers(workers=2):
-        assert not children()
+    with Tracers(workers=2) as tracers:  # one trace and no process yet: traced here
+        (row,) = tracers.trace(cases[:1], progress=lambda _: None, done=lambda *_: None)
+        assert not row.trace.error and not children()
     heard: list[str] = []
     with Tracers(workers=2) as tracers:
         started: set[int] = set()
-        for jobs in (cases, cases[::-1]):
+        for jobs in (cases, cases[::-1], cases[:1]):  # a round of one, once the processes run, is theirs
             rows = tracers.trace(jobs, progress=lambda _: None, done=lambda job, _row: heard.append(job.case_id))
             assert [r.case for r in rows] == jobs and not any(r.trace.error for r in rows)
             started = started or children()
             assert len(started) == 2 and children() == started
-    assert sorted(heard) == sorted(c.case_id for c in cases * 2)
+    assert sorted(heard) == sorted(c.case_id for c in cases * 2 + cases[:1])
     assert not children() & started  # and they end with the context

@@ -25,8 +25,8 @@ from zbench.plan.trace.plan import TracedRow, trace_plan
 
 
 class Tracers:
-    """A context: ``trace`` spreads traces over one process per usable core (in this process when there is one, or
-    one trace), the same processes for every call until the context ends.
+    """A context: ``trace`` spreads traces over one process per usable core (in this process when there is one core,
+    or one trace and no process started yet), the same processes for every call until the context ends.
 
     A process that dies loses only the trace it was running: every finished trace has been handed to ``done``
     (the cache keeps it) and the failure is one line."""
@@ -46,13 +46,13 @@ class Tracers:
         self, jobs: list[Case], *, progress: Callable[[str], None], done: Callable[[Case, TracedRow], None]
     ) -> list[TracedRow]:
         """``trace_plan`` of each of ``jobs``, in their order; ``done`` hears each trace as it finishes."""
-        if self.workers < 2 or len(jobs) < 2:
+        if self.workers < 2 or (self._pool is None and len(jobs) < 2):  # not worth ~4 s of a process's imports
             in_order = trace_plan(jobs, device=jobs[0].device, progress=progress)
             for job, row in zip(jobs, in_order, strict=True):
                 done(job, row)
             return in_order
-        progress(f"tracing in {self.workers} processes")
         if self._pool is None:
+            progress(f"tracing in {self.workers} processes, kept for the whole search")
             self._pool = ProcessPoolExecutor(
                 self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_import_tracer
             )
