@@ -210,6 +210,9 @@ def test_a_newer_file_or_a_source_for_no_figure_is_refused_in_one_line(tmp_path)
         load(str(wrong))
 
 
+# a whole calibration, --quick: 161 s of the fast tier's 528 s (2026-11-28); the fast tier walks `zbench calibrate`
+# end to end on one rank (the next test): operators, memory, host overheads, disk
+@pytest.mark.heavy
 def test_calibrate_writes_a_profile_the_simulator_takes(cli, tmp_path):
     out = tmp_path / "here.yaml"
     # three ranks: a rank count that divides none of the power-of-two message sizes (reduce-scatter's input
