@@ -15,7 +15,9 @@ Mapped onto DeepSpeed's config so that it trains as every other implementation d
   each micro-batch steps the optimizer at the boundary), clipping its ``gradient_clipping``;
 - offload ``optimizer`` is ``offload_optimizer: cpu``; ``optimizer+params`` adds
   ``offload_param: cpu`` (stage 3). NVMe needs DeepSpeed's async I/O kernels, which a
-  ``DS_BUILD_OPS=0`` install does not have, so it is not offered.
+  ``DS_BUILD_OPS=0`` install does not have, so it is not offered;
+- option ``bucket_size`` (elements) is both ``reduce_bucket_size`` and ``allgather_bucket_size``
+  (default ``BUCKET_ELEMENTS``), the knob ``zbench tune`` searches at stages 1-2.
 
 DeepSpeed needs ``LOCAL_RANK`` (its launcher sets it) and picks its accelerator at import:
 both are set from the case before the import (``DS_ACCELERATOR=cpu`` on CPU).
@@ -36,15 +38,51 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from zbench.implementations.deepspeed_layout import deepspeed_layout, persistent_elements
-from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, ModelShape, TrainSpec
+from zbench.protocol import Capabilities, EngineBase, ImplementationBase, MicroBatch, ModelShape, TrainSpec, Tunable
 from zbench.state_bytes import empty_state_bytes, moved_to_host, optimizer_tensors, storage_key, tensor_bytes
 from zbench.values import optimizer_bytes_per_param
 
 #: Where DeepSpeed's ZeRO optimizers keep the fp32 master partitions (stages 1-2, stage 1 in bf16, stage 3).
 MASTER_ATTRIBUTES = ("single_partition_of_fp32_groups", "fp32_groups_flat_partition", "fp32_partitioned_groups_flat")
 INSTALL_HINT = "DeepSpeed is not installed: pip install -e '.[deepspeed]' (on CPU: DS_BUILD_OPS=0 pip install ...)"
-#: DeepSpeed's buckets (elements): its defaults (5e8) would allocate gigabytes for any model.
+#: DeepSpeed's buckets (elements) unless the ``bucket_size`` option or the user's config says otherwise: its own
+#: defaults (5e8) would allocate gigabytes for any model.
 BUCKET_ELEMENTS = 50_000_000
+#: The options the adapter takes: a DeepSpeed config (a suite's ``deepspeed_config``), and ``bucket_size``, the
+#: elements of both its gradient-reduction and its parameter all-gather buckets (``reduce_bucket_size`` and
+#: ``allgather_bucket_size``), the knob ``zbench tune`` searches.
+OPTIONS = ("config", "bucket_size")
+BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size")
+#: What ``zbench tune`` searches: the bucket at stages 1-2, where zbench can estimate it (from the reference engine's
+#: flat groups of the same bytes: ``zbench.tune.deepspeed_estimate``); DeepSpeed's own default 5e8 is tried too.
+TUNABLES = (
+    Tunable(
+        "bucket_size", (BUCKET_ELEMENTS, 5_000_000, 500_000_000), stages=frozenset({1, 2}),
+        trades="fewer, larger gradient reductions and parameter gathers against a larger bucket buffer and a "
+        "larger last bucket nothing hides",
+    ),
+)  # fmt: skip
+
+
+def checked_options(options: dict[str, Any]) -> None:
+    """One line naming what is wrong with a DeepSpeed case's ``options``, as a ``ValueError``."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown or not isinstance(options.get("config", {}), dict):
+        raise ValueError(
+            f"deepspeed takes the options config (a DeepSpeed config as a mapping; or name the JSON file as the "
+            f"suite's deepspeed_config) and bucket_size (elements), got {dict(options)!r}"
+        )
+    if "bucket_size" not in options:
+        return
+    size = options["bucket_size"]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"deepspeed option bucket_size must be a whole number of elements >= 1, got {size!r}")
+    zero = dict(options.get("config") or {}).get("zero_optimization") or {}
+    if clash := [k for k in BUCKET_KEYS if k in zero and zero[k] != size]:
+        raise ValueError(
+            f"deepspeed option bucket_size {size} and the config's {', '.join(f'{k} {zero[k]}' for k in clash)} "
+            "disagree: set one"
+        )
 #: A JIT build of one of DeepSpeed's ops (its CPU shared-memory collectives, built at the first CPU run) takes about
 #: a minute on two cores; a build lock older than this was left by a build that was killed.
 STALE_BUILD_LOCK_S = 600.0
@@ -55,13 +93,15 @@ def deepspeed_config(spec: TrainSpec, micro_batch: int) -> dict[str, Any]:
 
     A user's config (``options["config"]``, from a suite's ``deepspeed_config``) is the base: its
     settings are kept, those the harness maps (batch, accumulation, clipping, precision, stage, offload)
-    were read from it and agree, and its optimizer and scheduler give way to the client optimizer.
+    were read from it and agree, and its optimizer and scheduler give way to the client optimizer. Its
+    buckets are the ``bucket_size`` option's (``checked_options`` refuses one the config contradicts), else
+    the config's, else ``BUCKET_ELEMENTS``.
     """
     user = {k: v for k, v in dict(spec.options.get("config") or {}).items() if k not in ("optimizer", "scheduler")}
     user.pop("train_batch_size", None)  # DeepSpeed derives it from the two below
+    bucket = spec.options.get("bucket_size", BUCKET_ELEMENTS)
     zero: dict[str, Any] = {
-        "reduce_bucket_size": BUCKET_ELEMENTS,
-        "allgather_bucket_size": BUCKET_ELEMENTS,
+        **dict.fromkeys(BUCKET_KEYS, bucket),
         **dict(user.get("zero_optimization") or {}),
         "stage": spec.stage,
     }
@@ -212,12 +252,7 @@ class DeepSpeedEngine(EngineBase):
     def __init__(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> None:
         if group is not None and group is not dist.group.WORLD:
             raise ValueError("the DeepSpeed adapter runs on the default process group only")
-        unknown = sorted(set(spec.options) - {"config"})
-        if unknown or not isinstance(spec.options.get("config", {}), dict):
-            raise ValueError(
-                f"deepspeed takes one option, config (a DeepSpeed config as a mapping; or name the JSON file as the "
-                f"suite's deepspeed_config), got {dict(spec.options)!r}"
-            )
+        checked_options(dict(spec.options))
         _prepare_environment(spec)
         import deepspeed
 
@@ -313,6 +348,8 @@ class DeepSpeed(ImplementationBase):
             precisions=frozenset({"fp32", "bf16"}),
             offload=frozenset({"none", "optimizer", "optimizer+params"}),
             keeps_master_weights=True,
+            tunables=TUNABLES,
+            options=frozenset(OPTIONS),
             state_allowance=0.02,  # against its own layout (state_layout), not the ZeRO formulas
             untraceable="DeepSpeed moves and partitions the model itself (module._apply, its own accelerator and "
             "communication setup), which fake tensors in a fake process group do not support yet",

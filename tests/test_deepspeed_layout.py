@@ -124,3 +124,32 @@ def test_the_cases_precision_wins_over_a_config_written_for_bf16():
     )
     assert bf16["bf16"] == {"enabled": True} and "bf16" not in fp32
     assert fp32["zero_optimization"]["stage"] == 3
+
+
+def test_the_bucket_size_option_sets_both_of_deepspeeds_buckets_and_bad_values_are_refused():
+    """``bucket_size`` (what ``zbench tune`` searches) is DeepSpeed's reduce and all-gather bucket, in elements; a
+    config's own buckets stand when the option is not given, and one line refuses a bad value or a contradiction."""
+    from zbench.implementations.deepspeed_zero import BUCKET_ELEMENTS, checked_options, deepspeed_config
+    from zbench.protocol import TrainSpec
+
+    def zero(options: dict) -> dict:
+        checked_options(options)
+        spec = TrainSpec(device=torch.device("cpu"), precision="fp32", stage=2, options=options)
+        return deepspeed_config(spec, 1)["zero_optimization"]
+
+    buckets = ("reduce_bucket_size", "allgather_bucket_size")
+    assert [zero({})[k] for k in buckets] == [BUCKET_ELEMENTS] * 2
+    assert [zero({"bucket_size": 5_000_000})[k] for k in buckets] == [5_000_000] * 2
+    own = {"config": {"zero_optimization": {"reduce_bucket_size": 200_000_000}}}
+    assert [zero(own)[k] for k in buckets] == [200_000_000, BUCKET_ELEMENTS]
+    agreeing = {**own, "bucket_size": 200_000_000}
+    assert [zero(agreeing)[k] for k in buckets] == [200_000_000] * 2
+    for bad, message in [
+        ({"bucket_size": 0}, "bucket_size must be a whole number"),
+        ({"bucket_size": 2.5}, "bucket_size must be a whole number"),
+        ({"bucket_size": True}, "bucket_size must be a whole number"),
+        ({**own, "bucket_size": 5_000_000}, "reduce_bucket_size 200000000 disagree: set one"),
+        ({"bucket_mb": 16}, "deepspeed takes the options config"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            checked_options(bad)

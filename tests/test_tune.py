@@ -271,15 +271,20 @@ def with_deepspeed(cli, cache_dir, tmp_path_factory):
     return json.loads(r.stdout), out
 
 
-def test_deepspeed_is_estimated_from_the_same_stages_trace_with_its_own_layout(with_deepspeed):
-    """Each DeepSpeed setup is its zero1/zero3 stand-in's trace: the same predicted step, the activations and
-    buffers the stand-in's trace holds beyond its model states, DeepSpeed's declared model states in place of the
-    stand-in's; labelled as estimated."""
-    from zbench.cases import registry
+def test_deepspeed_is_estimated_from_the_same_stages_trace_with_its_own_layout(with_deepspeed, cache_dir, monkeypatch):
+    """Each DeepSpeed setup is its stand-in's trace, the reference engine at the same stage, at stage 1 with flat
+    groups of DeepSpeed's bucket bytes (50M fp32 elements: 190.7 MiB), the trace the search made (found in its
+    cache): the same predicted step, the activations and buffers the stand-in's trace holds beyond its model
+    states, DeepSpeed's declared model states in place of the stand-in's; labelled as estimated."""
     from zbench.cases.formulas import placement_for
+    from zbench.plan.simulate.cluster import load
     from zbench.plan.trace.plan import make_case
     from zbench.run.aggregate import declared_layout
+    from zbench.tune.cache import TraceCache
+    from zbench.tune.search import GIB, Limits, search
+    from zbench.tune.tracers import Tracers
 
+    monkeypatch.setenv("ZBENCH_CACHE_DIR", str(cache_dir))
     doc, _ = with_deepspeed
     every = doc["ranked"] + doc["pruned"]
     ds = [s for s in every if s["implementation"] == "deepspeed"]
@@ -288,29 +293,56 @@ def test_deepspeed_is_estimated_from_the_same_stages_trace_with_its_own_layout(w
         (1, "none"), (1, "optimizer"), (3, "none"), (3, "optimizer"), (3, "optimizer+params")
     }  # fmt: skip
     assert any("deepspeed: estimated, not traced" in line for line in doc["left_out"])
+    cluster = load("cpu-2core")
+    limits = Limits(gpu_bytes=cluster.memory_gib * GIB, reserve=doc["limits"]["reserve"], host_bytes_per_node=None,
+                    disk_bytes_per_node=None, gpus_per_node=2)  # fmt: skip
     for s in ds:
-        stand_in = next(
-            z
-            for z in every
-            if z["implementation"] == f"zero{s['stage']}" and z["offload"] == s["offload"] and not z["options"]
-        )  # the default options: a variant of the stand-in's options is not DeepSpeed's
-        assert s["estimated_from"] == stand_in["implementation"] and "(estimated from" in s["name"]
-        assert s["estimate"] == stand_in["estimate"]
+        bucket = {"bucket_mb": 50_000_000 * 4 / 2**20} if s["stage"] == 1 else {}
+        zero = make_case("tiny", f"zero{s['stage']}", s["stage"], s["offload"], gpus=2, precision="fp32",
+                         micro_batch=1, seq_len=32, device="cpu", checkpointing=False, options=bucket)  # fmt: skip
+        with Tracers() as tracers:
+            (stand_in,) = search([zero], cluster, limits, cache=TraceCache(), tracers=tracers, progress=print)
+        assert stand_in.cached, "the search traced the stand-in this test names"
+        label = f"zero{s['stage']}" + (", bucket_mb 190.735" if bucket else "")
+        assert s["estimated_from"] == label and f"(estimated from {label})" in s["name"]
+        assert s["estimate"] == json.loads(json.dumps(stand_in.estimate.to_json()))
         case = make_case("tiny", "deepspeed", s["stage"], s["offload"], gpus=2, precision="fp32", micro_batch=1,
                          seq_len=32, device="cpu", checkpointing=False)  # fmt: skip
         place, _ = declared_layout(case)
         host = sum(cat.get("host", 0.0) for cat in place.values())
         assert s["needs"]["host_per_node"] == pytest.approx(host * 2)
         device = sum(cat.get("device", 0.0) for cat in place.values())
-        zero_device = stand_in["needs"]["gpu"] - s["needs"]["gpu"] + device  # the stand-in's traced states...
-        zero = case.model_copy(
-            update={
-                "implementation": f"zero{s['stage']}",
-                "capabilities": registry.resolve(f"zero{s['stage']}").capabilities,
-            }
-        )
+        zero_device = stand_in.needs.gpu - s["needs"]["gpu"] + device  # the stand-in's traced states...
         formula = sum(cat.get("device", 0.0) for cat in placement_for(zero).values())
         assert zero_device == pytest.approx(formula, rel=0.05)  # ...are the ZeRO formulas' (a flat rank's few %)
+
+
+def test_deepspeeds_bucket_goes_to_deepspeed_alone_and_is_its_stand_ins_flat_group(
+    with_deepspeed, cli, cache_dir, monkeypatch
+):
+    """``--option bucket_size=N`` is DeepSpeed's alone (the reference engine would refuse it): its stage-1 setups are
+    read off zero1 with flat groups of N fp32 elements, so at 20,000 elements (a fifth of tiny's gradients: five
+    reductions and five gathers where the default has one of each) DeepSpeed is predicted slower, with more
+    communication exposed. An option that no searched implementation takes is one line, exit 2."""
+    monkeypatch.setenv("ZBENCH_CACHE_DIR", str(cache_dir))
+    r = cli(*DEEPSPEED_BASE, "--json", "--no-search-options", "--option", "bucket_size=20000")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    every = doc["ranked"] + doc["pruned"]
+    zero = [s for s in every if s["implementation"] in ("zero1", "zero3")]
+    assert zero and all(not s["options"] and s["pruned"] is None for s in zero)
+    small, default = (
+        next(s for s in d["ranked"] + d["pruned"] if s["implementation"] == "deepspeed" and s["stage"] == 1
+             and s["offload"] == "none")
+        for d in (doc, with_deepspeed[0])
+    )  # fmt: skip
+    assert small["options"] == {"bucket_size": 20000} and small["estimated_from"] == "zero1, bucket_mb 0.0762939"
+    assert small["estimate"]["exposed_comm_s"] > default["estimate"]["exposed_comm_s"]
+    assert small["estimate"]["tokens_per_s_per_gpu"] < default["estimate"]["tokens_per_s_per_gpu"]
+
+    r = cli(*DEEPSPEED_BASE, "--option", "bucket=16")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().count("\n") == 0 and "--option bucket: none of the searched implementations takes it" in r.stderr
 
 
 def test_deepspeed_without_its_stand_ins_is_not_searched_and_says_why(cli, cache_dir, monkeypatch):

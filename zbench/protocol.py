@@ -168,6 +168,9 @@ class Capabilities:
     ``Ψ / N``; False for a flat, evenly split buffer (ZeRO, FSDP1)."""
     tunables: tuple[Tunable, ...] = ()
     """The options ``zbench tune`` searches for it (``Tunable``); none: it searches only the case's axes."""
+    options: frozenset[str] | None = None
+    """The option names it takes, where it refuses any other (a ``ValueError`` when built); ``None``: it reads those
+    it knows and ignores the rest. ``zbench tune --option`` gives each implementation only those it takes."""
 
     def why_unsupported(
         self,

@@ -26,7 +26,7 @@ One concept per module:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -64,6 +64,7 @@ def _capabilities(stage: int) -> Capabilities:
         optimizers=frozenset({"adamw", "sgd"}),
         keeps_master_weights=True,
         tunables=TUNABLES,
+        options=frozenset(f.name for f in fields(ZeroOptions)),
     )
 
 

@@ -234,6 +234,7 @@ def _searched(q: Any, profile: Any, limits: Any, *, fresh: bool, whole: bool, op
     ranked, survivors first; and the notes: what was left out and which options were searched. None fits: one
     line."""
     from zbench.plan.trace import plan as trace_mod
+    from zbench.suite.preflight import DEEPSPEED
     from zbench.tune import deepspeed_estimate, search, space
     from zbench.tune import options as tunables
     from zbench.tune.cache import TraceCache
@@ -244,23 +245,34 @@ def _searched(q: Any, profile: Any, limits: Any, *, fresh: bool, whole: bool, op
     if not found.cases:
         raise UsageError("nothing to search: " + "; ".join(found.left_out or ["no setup runs here"]))
     cache = TraceCache()
+    progress = trace_mod.stderr_progress
+    judged: dict[tuple, Any] = {}  # every traced setup judged so far, by setup_key: each is traced and judged once
     with Tracers() as tracers:
 
-        def run(cases: list) -> list:
-            return search.search(
-                cases, profile, limits, cache=cache, tracers=tracers, fresh=fresh,
-                progress=trace_mod.stderr_progress, extrapolate=not whole,
-            )  # fmt: skip
+        def traced(cases: list) -> list:
+            new = list({search.setup_key(c): c for c in cases if search.setup_key(c) not in judged}.values())
+            if new:
+                for c in search.search(
+                    new, profile, limits, cache=cache, tracers=tracers, fresh=fresh, progress=progress,
+                    extrapolate=not whole,
+                ):  # fmt: skip
+                    judged[search.setup_key(c.case)] = c
+            return [judged[search.setup_key(c)] for c in cases]
 
-        ranked = run(found.cases)
+        def run(cases: list) -> list:
+            """``cases`` traced, DeepSpeed's estimated from stand-ins traced in the same rounds."""
+            ds = [c for c in cases if c.implementation == DEEPSPEED]
+            rest = traced([c for c in cases if c.implementation != DEEPSPEED] +
+                          [deepspeed_estimate.stand_in(q, c) for c in ds])[: len(cases) - len(ds)]  # fmt: skip
+            return search.ranked(rest + deepspeed_estimate.estimate(q, ds, traced, profile, limits))
+
+        ranked = run(found.cases + deepspeed_estimate.first_cases(q, found.cases))
         searched = tunables.declared(q.implementations, q.options) if options else []
         if searched:
-            say = trace_mod.stderr_progress
-            say("options: the fastest setups and each implementation's best, one option at a time")
+            progress("options: the fastest setups and each implementation's best, one option at a time")
             found_options = tunables.search_options(ranked, q.options, run)
             ranked = search.ranked(ranked + found_options.kept)
             searched.append(found_options.summary)
-    ranked = search.ranked(ranked + deepspeed_estimate.estimate(q, ranked, profile, limits))
     if ranked[0].pruned is not None:  # the survivors come first
         raise UsageError(_nothing_fits(ranked, limits))
     return ranked, Notes(found.left_out, searched)
@@ -297,7 +309,19 @@ def _question(
         checkpointing=_checkpointing(checkpointing, has_blocks=info.has_blocks),
         global_batch_tokens=global_batch, device=dev, options=key_values("--option", option or []),
     )  # fmt: skip
+    _check_options_taken(question)
     return question, profile.model_copy(update={"gpus_per_node": per_node})
+
+
+def _check_options_taken(q: Any) -> None:
+    """One line for an ``--option`` that every searched implementation would refuse (``Capabilities.options``)."""
+    from zbench.cases import registry
+
+    declared = {name: registry.resolve(name).capabilities.options for name in q.implementations}
+    for key in q.options:
+        if all(accepted is not None and key not in accepted for accepted in declared.values()):
+            takes = "; ".join(f"{n}: {', '.join(sorted(a))}" for n, a in declared.items() if a)
+            raise UsageError(f"--option {key}: none of the searched implementations takes it ({takes})")
 
 
 def _cluster(name: str) -> Any:

@@ -1,37 +1,56 @@
 """DeepSpeed in ``zbench tune``'s search, estimated: it cannot be traced on fake tensors (it moves and partitions
-the model itself), so each DeepSpeed setup is read off the trace of the reference engine at the same stage,
-offload mode, micro-batch and checkpointing (``zero1``-``zero3``, which shard and communicate as ZeRO says), with
-DeepSpeed's own declared layout (``deepspeed_layout.py``, held within 0.03% of measured) in place of the stand-in's
-traced model states:
+the model itself), so each DeepSpeed setup is read off the trace of its stand-in, the reference engine at the same
+stage, offload mode, micro-batch and checkpointing (``zero1``-``zero3``, which shard and communicate as ZeRO says),
+with DeepSpeed's own declared layout (``deepspeed_layout.py``, held within 0.03% of measured) in place of the
+stand-in's traced model states:
 
+- buckets: at stages 1-2 the stand-in's flat groups hold as many bytes as DeepSpeed's bucket (``bucket_size``
+  elements of fp32, the dtype DeepSpeed reduces in here, also under bf16): 50M elements are 190.7 MiB where the
+  reference engine's default is 4 MiB. So DeepSpeed's bucket is searched as the reference engine's would be: fewer,
+  larger collectives, a larger buffer at the peak. Stage 3's buckets (``stage3_prefetch_bucket_size`` counts
+  elements, the reference engine's prefetch counts blocks) are not mapped, and not searched;
 - GPU need: the stand-in's traced peak less its traced model states on the GPU, plus DeepSpeed's;
 - host need: DeepSpeed's host-held states (its CPU offload) for every rank of a node;
 - step time: the stand-in's prediction, with DeepSpeed's own host work in place of the stand-in's where the
   profile's calibration measured both (``zbench calibrate`` probes DeepSpeed where it is installed: on 2 CPU
-  cores its host work was 1.6-2.8x the reference engine's at stages 1-2 and about 6x at stage 3); DeepSpeed's
-  own bucketing and overlap are not modelled.
+  cores its host work was 1.6-2.8x the reference engine's at stages 1-2 and about 6x at stage 3). Not modelled:
+  DeepSpeed all-reduces each gradient bucket at stages 1-2 where the stand-in reduce-scatters it (``DeepSpeed.
+  expected_comm_elements``), and its own overlap.
 
-Every such setup is labelled "estimated" wherever it is shown.
+Every such setup is labelled "estimated from" its stand-in wherever it is shown.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from zbench.cases import registry
 from zbench.cases.case import Case
 from zbench.cases.model_source import model_info
+from zbench.implementations.deepspeed_zero import BUCKET_ELEMENTS, TUNABLES
 from zbench.plan.simulate.calibration import overhead_key
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.compute import implementation_seconds
 from zbench.plan.trace.plan import make_case
 from zbench.run.aggregate import declared_layout
 from zbench.suite.preflight import DEEPSPEED
-from zbench.tune.search import Candidate, Limits, Needs, placed_bytes, prune
-from zbench.tune.space import Question, grad_accum_for
+from zbench.tune.search import Candidate, Limits, Needs, placed_bytes, prune, setup_key
+from zbench.tune.space import Question, taken
+
+#: Bytes of one gradient element as DeepSpeed reduces it in zbench's config (fp32: ``communication_data_type``).
+COMM_BYTES = 4
+#: The stages whose buckets map onto the stand-in's (its ``bucket_mb``).
+BUCKETED_STAGES = TUNABLES[0].stages
 
 
 def stand_in_name(stage: int) -> str:
     """The reference engine at ``stage``: what a DeepSpeed setup at that stage is estimated from."""
     return f"zero{stage}"
+
+
+def bucket_mb(case: Case) -> float:
+    """The reference engine's bucket (MiB) that holds as many gradients as ``case``'s DeepSpeed bucket."""
+    return case.options.get("bucket_size", BUCKET_ELEMENTS) * COMM_BYTES / 2**20
 
 
 def left_out(q: Question) -> list[str]:
@@ -44,7 +63,8 @@ def left_out(q: Question) -> list[str]:
         return [f"{DEEPSPEED}: not searched: it is estimated from the traces of {', '.join(missing)}, which were "
                 f"left out (-i {' -i '.join(missing)})"]  # fmt: skip
     line = (f"{DEEPSPEED}: estimated, not traced (fake tensors cannot run it yet): each setup is the same stage's "
-            "zero1-3 trace with DeepSpeed's declared layout in place of its model states")  # fmt: skip
+            "zero1-3 trace, at stages 1-2 with flat groups of DeepSpeed's bucket bytes, with DeepSpeed's declared "
+            "layout in place of its model states")  # fmt: skip
     if missing:
         line += f"; not at the stages of {', '.join(missing)}, left out (-i {' -i '.join(missing)})"
     if absent := registry.resolve(DEEPSPEED).capabilities.missing:
@@ -52,44 +72,75 @@ def left_out(q: Question) -> list[str]:
     return [line]
 
 
-def estimate(q: Question, searched: list[Candidate], cluster: Cluster, limits: Limits) -> list[Candidate]:
-    """A DeepSpeed candidate for each traced stand-in whose stage and offload mode DeepSpeed runs, its needs from
-    DeepSpeed's layout, pruned as any setup, predicted as its stand-in."""
+def first_cases(q: Question, cases: list[Case]) -> list[Case]:
+    """A DeepSpeed setup beside each of the search's first ``cases`` that is a stand-in (at the question's options)
+    at a stage and offload mode DeepSpeed runs."""
     caps = registry.resolve(DEEPSPEED).capabilities
     if DEEPSPEED not in q.implementations or q.precision not in caps.precisions:
         return []
     out = []
-    for c in searched:
-        s = c.case
+    for s in cases:
         if s.implementation != stand_in_name(s.stage) or s.stage not in caps.stages or s.offload not in caps.offload:
             continue
-        if s.options != q.options:  # a variant of the stand-in's own options (zbench.tune.options), not DeepSpeed's
+        if s.options != taken(s.implementation, q.options):  # a variant of the stand-in's own options
             continue
         case = make_case(
             q.model, DEEPSPEED, s.stage, s.offload, gpus=q.gpus, precision=q.precision, micro_batch=s.micro_batch,
             seq_len=q.seq_len, device=q.device, checkpointing=s.activation_checkpointing,
+            options=taken(DEEPSPEED, q.options),
         )  # fmt: skip
-        accum = grad_accum_for(q, s.micro_batch) or 1
-        ds = Candidate(case.model_copy(update={"grad_accum": accum}) if accum > 1 else case)
-        ds.estimated_from = s.implementation
-        out.append(ds)
-        if c.traced is None or c.needs is None:
-            traced = "could not be traced" if c.traced is not None else "was not traced"
-            ds.pruned = f"estimated from {c.name}, which {traced}: {c.pruned}"
-            ds.overshoot = c.overshoot
-            continue
-        place, _ = declared_layout(ds.case)
-        ds.traced = c.traced
-        ds.needs = Needs(
-            gpu=c.needs.gpu - c.traced.row.located("device") + placed_bytes(place, "device"),
-            host_per_node=placed_bytes(place, "host") * limits.gpus_per_node,
-            disk_per_node=placed_bytes(place, "disk") * limits.gpus_per_node,
-        )
-        prune(ds, limits, by=f" (estimated: {s.implementation}'s trace with DeepSpeed's layout)")
-        if ds.pruned is None:
-            stand_in = c.estimate if c.estimate is not None else c.traced.estimate(cluster)
-            ds.estimate = stand_in.with_host_work(host_work_difference(cluster, s, ds.case))
+        out.append(case.model_copy(update={"grad_accum": s.grad_accum}) if s.grad_accum > 1 else case)
     return out
+
+
+def stand_in(q: Question, case: Case) -> Case:
+    """The reference engine's setup a DeepSpeed ``case`` is read off: the same axes and the question's options
+    (not DeepSpeed's), at stages 1-2 with ``bucket_mb`` holding DeepSpeed's bucket."""
+    options = taken(stand_in_name(case.stage), q.options)
+    if case.stage in BUCKETED_STAGES:
+        options["bucket_mb"] = bucket_mb(case)
+    s = make_case(
+        q.model, stand_in_name(case.stage), case.stage, case.offload, gpus=q.gpus, precision=q.precision,
+        micro_batch=case.micro_batch, seq_len=q.seq_len, device=q.device, checkpointing=case.activation_checkpointing,
+        options=options,
+    )  # fmt: skip
+    return s.model_copy(update={"grad_accum": case.grad_accum}) if case.grad_accum > 1 else s
+
+
+def estimate(
+    q: Question,
+    cases: list[Case],
+    run: Callable[[list[Case]], list[Candidate]],
+    cluster: Cluster,
+    limits: Limits,
+) -> list[Candidate]:
+    """Each DeepSpeed setup of ``cases`` from its stand-in, which ``run`` traces (or finds already traced) and
+    judges: DeepSpeed's needs from its layout, pruned as any setup, predicted as its stand-in."""
+    stand_ins = [stand_in(q, c) for c in cases]
+    found = {setup_key(c.case): c for c in run(stand_ins)} if stand_ins else {}
+    return [_estimated(case, found[setup_key(s)], cluster, limits) for case, s in zip(cases, stand_ins, strict=True)]
+
+
+def _estimated(case: Case, c: Candidate, cluster: Cluster, limits: Limits) -> Candidate:
+    ds = Candidate(case)
+    ds.estimated_from = c.case.implementation + c.case.options_text
+    if c.traced is None or c.needs is None:
+        traced = "could not be traced" if c.traced is not None else "was not traced"
+        ds.pruned = f"estimated from {c.name}, which {traced}: {c.pruned}"
+        ds.overshoot = c.overshoot
+        return ds
+    place, _ = declared_layout(case)
+    ds.traced = c.traced
+    ds.needs = Needs(
+        gpu=c.needs.gpu - c.traced.row.located("device") + placed_bytes(place, "device"),
+        host_per_node=placed_bytes(place, "host") * limits.gpus_per_node,
+        disk_per_node=placed_bytes(place, "disk") * limits.gpus_per_node,
+    )
+    prune(ds, limits, by=f" (estimated: {c.case.implementation}'s trace with DeepSpeed's layout)")
+    if ds.pruned is None:
+        stand_in_step = c.estimate if c.estimate is not None else c.traced.estimate(cluster)
+        ds.estimate = stand_in_step.with_host_work(host_work_difference(cluster, c.case, case))
+    return ds
 
 
 def host_work_difference(cluster: Cluster, stand_in: Case, case: Case) -> float:

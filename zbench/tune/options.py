@@ -1,13 +1,13 @@
 """``zbench tune``'s second pass: the options each implementation declares worth searching (``Tunable``: our
-engines' bucket size and prefetch, DDP's bucket size, FSDP1's backward prefetch), tried on the setups that can
-win and on those that missed the GPU by the least.
+engines' bucket size and prefetch, DDP's bucket size, FSDP1's backward prefetch, DeepSpeed's bucket size), tried
+on the setups that can win and on those that missed the GPU by the least.
 
 Every option value times every setup of the first pass would multiply its traces by the options' values, so the
 search is local: the top setups and each implementation's best, each with one option at a time moved off its
 default (a coordinate step from the default, as DeepSpeed's autotuner tunes one knob after the stage and
 micro-batch). Each variant is traced from the real code like any setup (its memory, its collectives: a smaller
-bucket is more, smaller reduce-scatters) and pruned and ranked with the rest. An option the user fixed with
-``--option`` is not searched.
+bucket is more, smaller reduce-scatters), or estimated from such a trace (DeepSpeed's), and pruned and ranked with
+the rest. An option the user fixed with ``--option`` is not searched.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from zbench.cases import registry
 from zbench.cases.case import Case
-from zbench.tune.search import Candidate, best_per_implementation, options_key
+from zbench.tune.search import Candidate, best_per_implementation, setup_key
 
 #: How many of the first pass's fastest setups get their options searched, besides each implementation's best.
 SEEDS = 3
@@ -41,12 +41,11 @@ def variants(case: Case, fixed: Mapping[str, object]) -> list[Case]:
 
 def seeds(ranked: list[Candidate], count: int = SEEDS, near: int = NEAR_MISSES) -> list[Candidate]:
     """The setups whose options are searched: the ``count`` fastest, each implementation's best and the ``near``
-    traced setups that missed the GPU by the least (traced ones: an estimate has no options of its own to
-    move)."""
-    traced = [c for c in ranked if c.estimated_from is None]
-    chosen = [c for c in traced if c.pruned is None][:count] + best_per_implementation(traced)
+    setups that missed the GPU by the least (DeepSpeed's estimated ones too: its options are searched through
+    its stand-in's, ``zbench.tune.deepspeed_estimate``)."""
+    chosen = [c for c in ranked if c.pruned is None][:count] + best_per_implementation(ranked)
     chosen += sorted(
-        (c for c in traced if c.needs is not None and c.pruned is not None and c.pruned.startswith("GPU")),
+        (c for c in ranked if c.needs is not None and c.pruned is not None and c.pruned.startswith("GPU")),
         key=lambda c: c.overshoot,
     )[:near]
     return list({id(c): c for c in chosen}.values())
@@ -84,17 +83,17 @@ def search_options(
     varies, or fits in less GPU memory, or fits where that setup did not; one that fits nowhere, or changes
     neither (a bucket larger than every gradient of a small model), is dropped and counted, so that the ranking
     is not filled with ties; so is one level with a variant of the same setup kept before it (``_level``)."""
-    seen = {_key(c.case) for c in ranked}
+    seen = {setup_key(c.case) for c in ranked}
     pairs: list[tuple[Candidate, Case]] = []
     for seed in seeds(ranked):
         for case in variants(seed.case, fixed):
-            if _key(case) not in seen:
-                seen.add(_key(case))
+            if setup_key(case) not in seen:
+                seen.add(setup_key(case))
                 pairs.append((seed, case))
     if not pairs:
         return OptionSearch([], "options: nothing to vary")
-    found = {_key(c.case): c for c in run([case for _, case in pairs])}
-    better = [(seed, found[_key(case)]) for seed, case in pairs if _better(found[_key(case)], seed)]
+    found = {setup_key(c.case): c for c in run([case for _, case in pairs])}
+    better = [(seed, found[setup_key(case)]) for seed, case in pairs if _better(found[setup_key(case)], seed)]
     kept_pairs: list[tuple[Candidate, Candidate]] = []
     for seed, variant in better:  # in each option's declared order, so the value nearer the default stays
         if not any(s is seed and _level(v, variant) for s, v in kept_pairs):
@@ -129,9 +128,3 @@ def _level(a: Candidate, b: Candidate) -> bool:
     assert a.estimate is not None and b.estimate is not None and a.needs is not None and b.needs is not None
     speed = math.isclose(a.estimate.tokens_per_s_per_gpu, b.estimate.tokens_per_s_per_gpu, rel_tol=MARGIN)
     return speed and math.isclose(a.needs.gpu, b.needs.gpu, rel_tol=MARGIN)
-
-
-def _key(case: Case) -> tuple:
-    """What tells two searched setups apart (a case id names neither the batch nor the options)."""
-    return (case.case_id, case.micro_batch, case.grad_accum, case.activation_checkpointing,
-            options_key(case))  # fmt: skip

@@ -265,6 +265,12 @@ def options_key(case: Case) -> str:
     return repr(sorted(case.options.items()))
 
 
+def setup_key(case: Case) -> tuple:
+    """What tells two searched setups apart (a case id names neither the batch nor the options)."""
+    return (case.case_id, case.micro_batch, case.grad_accum, case.activation_checkpointing,
+            options_key(case))  # fmt: skip
+
+
 def _judge(c: Candidate, t: Traced, cluster: Cluster, limits: Limits) -> None:
     """Read ``c``'s needs off its trace, prune it or predict its step."""
     c.traced = t
