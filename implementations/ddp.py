@@ -96,6 +96,7 @@ class DDP(ImplementationBase):
                 trades="fewer, larger all-reduces (less latency) against a larger last bucket nothing hides",
             ),
         ),
+        options=frozenset({"bucket_mb"}),
     )  # fmt: skip
 
     def build(self, model: nn.Module, spec: TrainSpec, group: ProcessGroup | None) -> DDPEngine:

@@ -83,6 +83,8 @@ def checked_options(options: dict[str, Any]) -> None:
             f"deepspeed option bucket_size {size} and the config's {', '.join(f'{k} {zero[k]}' for k in clash)} "
             "disagree: set one"
         )
+
+
 #: A JIT build of one of DeepSpeed's ops (its CPU shared-memory collectives, built at the first CPU run) takes about
 #: a minute on two cores; a build lock older than this was left by a build that was killed.
 STALE_BUILD_LOCK_S = 600.0

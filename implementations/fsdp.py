@@ -158,6 +158,7 @@ class FSDP:
         offload_keeps_master=False,
         parameters_sharded_from_stage=2,
         shards_parameters_by_rows=True,
+        options=frozenset({"prefetch"}),
     )
 
     def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int | None:

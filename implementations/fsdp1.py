@@ -133,6 +133,7 @@ class FSDP1(ImplementationBase):
                 trades="one unit's gathered parameters less at the peak against backward's gathers waited for",
             ),
         ),
+        options=frozenset({"backward_prefetch"}),
     )  # fmt: skip
 
     def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int | None:

@@ -30,7 +30,9 @@ class TorchZeroEngine(DDPEngine):
 class TorchZero:
     name = "torch_zero"
     # which rank holds a tensor's optimizer state depends on every tensor of the model: not extrapolated over blocks
-    capabilities = Capabilities(stages=frozenset({1}), precisions=frozenset({"fp32", "bf16"}), blockwise=False)
+    capabilities = Capabilities(
+        stages=frozenset({1}), precisions=frozenset({"fp32", "bf16"}), blockwise=False, options=frozenset()
+    )
 
     def expected_comm_elements(self, shape: ModelShape, world: int, stage: int) -> int:
         """Not ZeRO-1's optimal 2Ψ: DDP all-reduces every gradient (2Ψ), then each rank broadcasts its shard (Ψ)."""

@@ -342,7 +342,30 @@ def test_deepspeeds_bucket_goes_to_deepspeed_alone_and_is_its_stand_ins_flat_gro
 
     r = cli(*DEEPSPEED_BASE, "--option", "bucket=16")
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().count("\n") == 0 and "--option bucket: none of the searched implementations takes it" in r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    assert "--option bucket: none of the implementations given takes it" in r.stderr
+
+
+def test_an_option_reaches_only_the_implementations_that_read_it():
+    """``--option`` (tune and ``plan --trace``) gives each implementation the options it declares it reads: DDP is
+    not labelled with FSDP's prefetch, and the reference engine, which refuses what it does not know, never gets
+    DeepSpeed's bucket_size. An option nobody reads is named with what each reads."""
+    from zbench.plan.trace.plan import taken_options, untaken_option
+
+    given = {"bucket_mb": 16.0, "bucket_size": 5_000_000, "prefetch": 2, "backward_prefetch": "post"}
+    assert taken_options("ddp", given) == {"bucket_mb": 16.0}
+    assert taken_options("zero3", given) == {"bucket_mb": 16.0, "prefetch": 2}
+    assert taken_options("deepspeed", given) == {"bucket_size": 5_000_000}
+    assert taken_options("fsdp", given) == {"prefetch": 2}
+    assert taken_options("fsdp1", given) == {"backward_prefetch": "post"}
+    assert taken_options("torch_zero", given) == {}
+    assert untaken_option(["ddp", "zero1", "deepspeed"], given) == (
+        "--option backward_prefetch: none of the implementations given takes it (ddp: bucket_mb; zero1: bucket_mb, "
+        "initial_loss_scale, loss_scale_growth_interval, nvme_chunk_mb, prefetch, reduce_dtype; deepspeed: "
+        "bucket_size, config)"
+    )
+    assert untaken_option(["torch_zero"], {"prefetch": 1}).endswith("(they take none)")
+    assert untaken_option(["ddp", "fsdp1"], {"bucket_mb": 1, "backward_prefetch": "pre"}) is None
 
 
 def test_deepspeed_without_its_stand_ins_is_not_searched_and_says_why(cli, cache_dir, monkeypatch):

@@ -169,8 +169,9 @@ class Capabilities:
     tunables: tuple[Tunable, ...] = ()
     """The options ``zbench tune`` searches for it (``Tunable``); none: it searches only the case's axes."""
     options: frozenset[str] | None = None
-    """The option names it takes, where it refuses any other (a ``ValueError`` when built); ``None``: it reads those
-    it knows and ignores the rest. ``zbench tune --option`` gives each implementation only those it takes."""
+    """The option names it reads (the reference engine and DeepSpeed refuse any other when built, DDP and FSDP
+    ignore the rest); ``None``: not declared. ``zbench tune --option`` gives each implementation only those it
+    reads (an undeclared one, every option)."""
 
     def why_unsupported(
         self,

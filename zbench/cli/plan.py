@@ -70,8 +70,8 @@ OptionOpt = Annotated[
         "--option",
         metavar="KEY=VALUE",
         help="With --trace: an implementation option, as a suite's `options:` (repeatable; VALUE is read as "
-        "YAML), given to every traced implementation; e.g. nvme_chunk_mb=256 for the reference ZeRO engine's "
-        "NVMe sub-groups. ddp, fsdp, fsdp1 and torch_zero take no options and ignore it.",
+        "YAML), given to each traced implementation that reads it (one line when none does); e.g. "
+        "nvme_chunk_mb=256 for the reference ZeRO engine's NVMe sub-groups.",
     ),
 ]
 TraceDeviceOpt = Annotated[

@@ -116,9 +116,11 @@ def _cases(req: TraceRequest, dev: str) -> list[Case]:
                   file=sys.stderr)  # fmt: skip
     make = partial(
         trace_mod.make_case, gpus=req.gpus, precision=req.precision, micro_batch=req.micro_batch, seq_len=seq,
-        device=dev, checkpointing=req.checkpointing, options=req.options,
+        device=dev, checkpointing=req.checkpointing,
     )  # fmt: skip
-    return [make(req.model, n, s, o) for n, s, o in combos]
+    if untaken := trace_mod.untaken_option(names, req.options):
+        raise UsageError(untaken)
+    return [make(req.model, n, s, o, options=trace_mod.taken_options(n, req.options)) for n, s, o in combos]
 
 
 def _cluster(req: TraceRequest) -> Cluster:

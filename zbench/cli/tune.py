@@ -284,6 +284,7 @@ def _question(
     offload: list[str] | None, checkpointing: str, option: list[str] | None, device: str,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The search the flags ask for, and the cluster profile with the node size they give; one line when bad."""
+    from zbench.plan.trace import plan as trace_mod
     from zbench.tune import space
 
     if model is None:
@@ -309,19 +310,9 @@ def _question(
         checkpointing=_checkpointing(checkpointing, has_blocks=info.has_blocks),
         global_batch_tokens=global_batch, device=dev, options=key_values("--option", option or []),
     )  # fmt: skip
-    _check_options_taken(question)
+    if untaken := trace_mod.untaken_option(question.implementations, question.options):
+        raise UsageError(untaken)
     return question, profile.model_copy(update={"gpus_per_node": per_node})
-
-
-def _check_options_taken(q: Any) -> None:
-    """One line for an ``--option`` that every searched implementation would refuse (``Capabilities.options``)."""
-    from zbench.cases import registry
-
-    declared = {name: registry.resolve(name).capabilities.options for name in q.implementations}
-    for key in q.options:
-        if all(accepted is not None and key not in accepted for accepted in declared.values()):
-            takes = "; ".join(f"{n}: {', '.join(sorted(a))}" for n, a in declared.items() if a)
-            raise UsageError(f"--option {key}: none of the searched implementations takes it ({takes})")
 
 
 def _cluster(name: str) -> Any:

@@ -31,11 +31,11 @@ from zbench.implementations.deepspeed_zero import BUCKET_ELEMENTS, TUNABLES
 from zbench.plan.simulate.calibration import overhead_key
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.compute import implementation_seconds
-from zbench.plan.trace.plan import make_case
+from zbench.plan.trace.plan import make_case, taken_options
 from zbench.run.aggregate import declared_layout
 from zbench.suite.preflight import DEEPSPEED
 from zbench.tune.search import Candidate, Limits, Needs, placed_bytes, prune, setup_key
-from zbench.tune.space import Question, taken
+from zbench.tune.space import Question
 
 #: Bytes of one gradient element as DeepSpeed reduces it in zbench's config (fp32: ``communication_data_type``).
 COMM_BYTES = 4
@@ -82,12 +82,12 @@ def first_cases(q: Question, cases: list[Case]) -> list[Case]:
     for s in cases:
         if s.implementation != stand_in_name(s.stage) or s.stage not in caps.stages or s.offload not in caps.offload:
             continue
-        if s.options != taken(s.implementation, q.options):  # a variant of the stand-in's own options
+        if s.options != taken_options(s.implementation, q.options):  # a variant of the stand-in's own options
             continue
         case = make_case(
             q.model, DEEPSPEED, s.stage, s.offload, gpus=q.gpus, precision=q.precision, micro_batch=s.micro_batch,
             seq_len=q.seq_len, device=q.device, checkpointing=s.activation_checkpointing,
-            options=taken(DEEPSPEED, q.options),
+            options=taken_options(DEEPSPEED, q.options),
         )  # fmt: skip
         out.append(case.model_copy(update={"grad_accum": s.grad_accum}) if s.grad_accum > 1 else case)
     return out
@@ -96,7 +96,7 @@ def first_cases(q: Question, cases: list[Case]) -> list[Case]:
 def stand_in(q: Question, case: Case) -> Case:
     """The reference engine's setup a DeepSpeed ``case`` is read off: the same axes and the question's options
     (not DeepSpeed's), at stages 1-2 with ``bucket_mb`` holding DeepSpeed's bucket."""
-    options = taken(stand_in_name(case.stage), q.options)
+    options = taken_options(stand_in_name(case.stage), q.options)
     if case.stage in BUCKETED_STAGES:
         options["bucket_mb"] = bucket_mb(case)
     s = make_case(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from zbench.cases import registry
 from zbench.cases.case import Case
-from zbench.plan.trace.plan import case_name, combinations, make_case, untraceable
+from zbench.plan.trace.plan import case_name, combinations, make_case, taken_options, untraceable
 from zbench.suite.preflight import DEEPSPEED
 
 #: Micro-batches tried when none is given: sequences per rank per forward.
@@ -55,13 +55,6 @@ def grad_accum_for(q: Question, micro_batch: int) -> int | None:
     return q.global_batch_tokens // per_micro_step
 
 
-def taken(name: str, options: dict[str, object]) -> dict[str, object]:
-    """The ``options`` (``--option``) implementation ``name`` takes: all, unless it declares which
-    (``Capabilities.options``) and would refuse the rest (the reference engine refuses DeepSpeed's ``bucket_size``)."""
-    accepted = registry.resolve(name).capabilities.options
-    return {k: v for k, v in options.items() if accepted is None or k in accepted}
-
-
 def search_space(q: Question) -> Space:
     """Every traceable setup of ``q``; the rest in ``left_out``, one line each."""
     space = Space()
@@ -84,7 +77,7 @@ def search_space(q: Question) -> Space:
             for ckpt in q.checkpointing:
                 case = make_case(
                     q.model, name, stage, offload, gpus=q.gpus, precision=q.precision, micro_batch=mb,
-                    seq_len=q.seq_len, device=q.device, checkpointing=ckpt, options=taken(name, q.options),
+                    seq_len=q.seq_len, device=q.device, checkpointing=ckpt, options=taken_options(name, q.options),
                 )  # fmt: skip
                 space.cases.append(case.model_copy(update={"grad_accum": ga}) if ga > 1 else case)
     return space

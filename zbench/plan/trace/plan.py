@@ -121,6 +121,24 @@ def untraceable(implementations: Iterable[str]) -> dict[str, str]:
     return {name: reason for name in implementations if (reason := why_untraceable(name))}
 
 
+def taken_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The ``options`` (``--option``) implementation ``name`` reads (``Capabilities.options``; all where it declares
+    none): the reference engine would refuse DeepSpeed's ``bucket_size``, and DDP is not a setup of FSDP's
+    ``prefetch``."""
+    accepted = registry.resolve(name).capabilities.options
+    return {k: v for k, v in options.items() if accepted is None or k in accepted}
+
+
+def untaken_option(names: Iterable[str], options: dict[str, Any]) -> str | None:
+    """One line naming an option none of ``names`` reads, with what each reads; ``None`` when each is read."""
+    declared = {name: registry.resolve(name).capabilities.options for name in names}
+    for key in options:
+        if all(accepted is not None and key not in accepted for accepted in declared.values()):
+            reads = "; ".join(f"{n}: {', '.join(sorted(a))}" for n, a in declared.items() if a)
+            return f"--option {key}: none of the implementations given takes it ({reads or 'they take none'})"
+    return None
+
+
 def combinations(
     implementations: Iterable[str], offloads: Iterable[str], device: str | None = None
 ) -> list[tuple[str, int, str]]:
