@@ -427,10 +427,11 @@ if __name__ == "__main__":
 
 
 def test_the_gradient_norm_stays_exact_over_a_long_flat_group():
-    """The engine's norm sums its squares row by row (``sum_of_squares``): over one flat group of 28M elements (a
-    190 MiB bucket of ``medium``) it holds the float64 norm to 1e-6, where torch's CPU norm of the whole vector,
-    the engine's norm before, is 1e-3 off (measured 1.5e-3)."""
-    from zbench.implementations.zero.optim import NORM_ROW, sum_of_squares
+    """The engine's norm (and DDP's, the reference) sums its squares row by row (``sum_of_squares``): over one flat
+    group of 28M elements (a 190 MiB bucket of ``medium``) it holds the float64 norm to 1e-6, where torch's CPU
+    norm of the whole vector, the engine's norm before, is 1e-3 off (measured 1.5e-3); DDP's norm over a 6.3M
+    parameter (``medium``'s largest) likewise."""
+    from zbench.implementations._common import NORM_ROW, global_grad_norm, sum_of_squares
 
     g = torch.randn(28_000_000, generator=torch.Generator().manual_seed(0)) * 1e-3
     exact = torch.linalg.vector_norm(g.double())
@@ -439,3 +440,8 @@ def test_the_gradient_norm_stays_exact_over_a_long_flat_group():
     for n in (0, 1, NORM_ROW - 1, NORM_ROW, 3 * NORM_ROW + 5):  # a ragged tail, whole rows, an empty shard
         part = g[:n]
         assert float(sum_of_squares(part)) == pytest.approx(float((part.double() ** 2).sum()), rel=1e-6, abs=0)
+    params = [torch.nn.Parameter(torch.empty(n)) for n in (6_291_456, 1000)]
+    for p, grad in zip(params, g[: 6_291_456 + 1000].split([6_291_456, 1000]), strict=True):
+        p.grad = grad.clone()
+    whole = torch.linalg.vector_norm(g[: 6_291_456 + 1000].double())
+    assert float(global_grad_norm(params).double() / whole - 1) == pytest.approx(0, abs=1e-6)

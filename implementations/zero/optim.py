@@ -6,33 +6,11 @@ from collections.abc import Sequence
 
 import torch
 
+from zbench.implementations._common import sum_of_squares
 from zbench.implementations.zero.comm import Comm
 from zbench.implementations.zero.masters import MasterStore
 from zbench.implementations.zero.precision import LossScaler
 from zbench.protocol import TrainSpec
-
-#: Elements per row of the gradient norm's partial sums (``sum_of_squares``).
-NORM_ROW = 1 << 16
-
-
-def sum_of_squares(grad: torch.Tensor) -> torch.Tensor:
-    """The sum of ``grad``'s squares in float64, from the norms of rows of ``NORM_ROW`` elements.
-
-    Note: torch's CPU norm of one long fp32 vector drifts with its length: relative error 1e-5 at 1M
-    elements, 1.5e-3 at 28M, 1% at 100M (randn, 2026-11-29, the 2-core machine); row by row it stays
-    within 2e-7 at 100M, as fast. A flat group is as long as its bucket, and with offload the norm runs
-    on the host's shards: a 190 MiB bucket of ``medium`` reported a norm 0.23% below DDP's and would
-    have clipped differently (docs/methods.md#equivalence).
-    """
-    flat = grad.reshape(-1)
-    if not flat.numel():  # a rank's shard of a group smaller than the world
-        return torch.zeros((), dtype=torch.float64, device=grad.device)
-    whole = flat.numel() // NORM_ROW * NORM_ROW
-    parts = [torch.linalg.vector_norm(flat[:whole].view(-1, NORM_ROW), dim=1)] if whole else []
-    if whole < flat.numel():
-        parts.append(torch.linalg.vector_norm(flat[whole:]).reshape(1))
-    return (torch.cat(parts).double() ** 2).sum()
-
 
 class ShardedOptimizer:
     """Unscaling, the global gradient norm, clipping and loss-scale bookkeeping; the step itself is the master store's.
