@@ -329,3 +329,37 @@ def test_fsdp1_rejects_an_unknown_backward_prefetch_in_one_line():
     with pytest.raises(ValueError, match="backward_prefetch must be one of pre, post, none, got 'early'"):
         backward_prefetch(TrainSpec(device=torch.device("cpu"), stage=3, options={"backward_prefetch": "early"}))
     assert backward_prefetch(TrainSpec(device=torch.device("cpu"))) is not None  # torch's default: BACKWARD_PRE
+
+
+def test_deepspeeds_best_has_its_bucket_searched_but_its_estimates_take_no_traced_setups_place():
+    """Planted, no tracing: a DeepSpeed estimate ties its stand-in. DeepSpeed's best is a seed, its bucket varied
+    (50M elements by default, then 5M and DeepSpeed's own 500M); among the three fastest and the three nearest
+    misses only traced setups count, so an estimate beside each takes none of their places."""
+    from zbench.plan.simulate.step import StepEstimate
+    from zbench.plan.trace.plan import make_case
+    from zbench.tune.options import seeds, variants
+    from zbench.tune.search import Candidate, Needs
+
+    def setup(name: str, mb: int, rate: float | None, over: float = 0.0) -> Candidate:
+        case = make_case("tiny", name, 1, "none", gpus=2, precision="fp32", micro_batch=mb, seq_len=32,
+                         device="cpu", checkpointing=False)  # fmt: skip
+        est = StepEstimate(world=2, compute_s=1.0, comm_s=0.0, exposed_comm_s=0.0, offload_s=0.0, step_s=1.0,
+                           tokens_per_s_per_gpu=rate or 0.0, mfu=0.5, comm_to_compute=0.0,
+                           compute_model="operators", hides_gathers=True, phase_comm_s={})  # fmt: skip
+        c = Candidate(case, needs=Needs(gpu=10.0 * (1 + over), host_per_node=0.0, disk_per_node=0.0),
+                      estimate=est if rate else None, pruned=None if rate else f"GPU: over by {over:.0%}",
+                      overshoot=over)  # fmt: skip
+        c.estimated_from = "zero1, bucket_mb 190.735" if name == "deepspeed" else None
+        return c
+
+    ranked = [setup(name, mb, rate) for mb, rate in ((1, 100.0), (2, 90.0), (4, 80.0)) for name in ("zero1",
+              "deepspeed")]  # fmt: skip
+    ranked += [setup(name, 8, None, over) for name, over in (("deepspeed", 0.01), ("zero1", 0.1))]
+    ranked += [setup("zero1", mb, None, over) for mb, over in ((16, 0.2), (32, 0.3))]
+    chosen = [(c.case.implementation, c.case.micro_batch) for c in seeds(ranked)]
+    assert chosen == [("zero1", 1), ("zero1", 2), ("zero1", 4), ("deepspeed", 1), ("zero1", 8), ("zero1", 16),
+                      ("zero1", 32)]  # fmt: skip
+    ds_best = ranked[1]
+    assert [v.options for v in variants(ds_best.case, {})] == [{"bucket_size": 5_000_000},
+                                                               {"bucket_size": 500_000_000}]  # fmt: skip
+    assert variants(ds_best.case, {"bucket_size": 5_000_000}) == []  # fixed by --option: not searched

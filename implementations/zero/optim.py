@@ -12,6 +12,7 @@ from zbench.implementations.zero.masters import MasterStore
 from zbench.implementations.zero.precision import LossScaler
 from zbench.protocol import TrainSpec
 
+
 class ShardedOptimizer:
     """Unscaling, the global gradient norm, clipping and loss-scale bookkeeping; the step itself is the master store's.
 

@@ -123,7 +123,8 @@ def estimate(
 
 def _estimated(case: Case, c: Candidate, cluster: Cluster, limits: Limits) -> Candidate:
     ds = Candidate(case)
-    ds.estimated_from = c.case.implementation + c.case.options_text
+    bucket = c.case.options.get("bucket_mb") if case.stage in BUCKETED_STAGES else None
+    ds.estimated_from = c.case.implementation + (f", bucket_mb {bucket:g}" if bucket is not None else "")
     if c.traced is None or c.needs is None:
         traced = "could not be traced" if c.traced is not None else "was not traced"
         ds.pruned = f"estimated from {c.name}, which {traced}: {c.pruned}"

@@ -40,12 +40,14 @@ def variants(case: Case, fixed: Mapping[str, object]) -> list[Case]:
 
 
 def seeds(ranked: list[Candidate], count: int = SEEDS, near: int = NEAR_MISSES) -> list[Candidate]:
-    """The setups whose options are searched: the ``count`` fastest, each implementation's best and the ``near``
-    setups that missed the GPU by the least (DeepSpeed's estimated ones too: its options are searched through
-    its stand-in's, ``zbench.tune.deepspeed_estimate``)."""
-    chosen = [c for c in ranked if c.pruned is None][:count] + best_per_implementation(ranked)
+    """The setups whose options are searched: the ``count`` fastest traced, each implementation's best (DeepSpeed's
+    estimated one too: its options are searched through its stand-in's, ``zbench.tune.deepspeed_estimate``) and
+    the ``near`` traced setups that missed the GPU by the least. An estimate ties its stand-in, so among the
+    fastest and the near misses it would only take a traced setup's place."""
+    traced = [c for c in ranked if c.estimated_from is None]
+    chosen = [c for c in traced if c.pruned is None][:count] + best_per_implementation(ranked)
     chosen += sorted(
-        (c for c in ranked if c.needs is not None and c.pruned is not None and c.pruned.startswith("GPU")),
+        (c for c in traced if c.needs is not None and c.pruned is not None and c.pruned.startswith("GPU")),
         key=lambda c: c.overshoot,
     )[:near]
     return list({id(c): c for c in chosen}.values())
