@@ -4,6 +4,7 @@ and just below traced needs) and its one-line refusals."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -496,3 +497,51 @@ def test_one_set_of_tracing_processes_serves_every_round_in_its_jobs_order():
             assert len(started) == 2 and children() == started
     assert sorted(heard) == sorted(c.case_id for c in cases * 2 + cases[:1])
     assert not children() & started  # and they end with the context
+
+
+KILLED_PARENT = """
+import multiprocessing, os, signal, sys, time
+from concurrent.futures import ProcessPoolExecutor
+from zbench.tune.tracers import _import_tracer as initializer
+
+if __name__ == "__main__":
+    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=initializer)
+    busy = [pool.submit(time.sleep, 120) for _ in range(2)]  # two long traces under way
+    while len(multiprocessing.active_children()) < 2:
+        time.sleep(0.2)
+    with open(sys.argv[1], "w") as out:
+        out.write(" ".join(str(p.pid) for p in multiprocessing.active_children()))
+    time.sleep(5)  # the workers' imports done, the sleeps begun
+    os.kill(os.getpid(), signal.SIGKILL)  # as a timeout or a cancelled job would
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie nobody has reaped yet has ended
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_tracing_processes_end_when_tune_is_killed(tmp_path):
+    """A ``zbench tune`` killed mid-search leaves no tracing process behind: each watches its parent and ends when
+    it dies, busy or not (without the watch, two went on for 24 minutes). Planted in a scratch clone, a watch that
+    returns at once leaves both workers sleeping after the kill, and this test fails."""
+    import subprocess
+    import sys
+    import time
+
+    pids_file = tmp_path / "pids"
+    subprocess.run([sys.executable, "-c", KILLED_PARENT, str(pids_file)],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)  # fmt: skip
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 30
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if _running(p)]
+    for p in left:
+        os.kill(p, 9)
+    assert not left, "tracing processes outlived the killed search"

@@ -15,6 +15,7 @@ import math
 import multiprocessing
 import os
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -93,10 +94,28 @@ def _import_tracer() -> None:
     collector's sight (``gc.freeze``). A trace collects cycles before each step (``cycles_collected_between_steps``)
     and each full collection walked every object the imports made: 0.21 s a collection, 0.04 s frozen (gpt-70b cut
     to 6 blocks under FSDP2, 2026-11-28), two a trace; the traced figures are the same."""
+    _exit_with_parent()
     import zbench.plan.trace.tracer  # noqa: F401
 
     gc.collect()
     gc.freeze()
+
+
+def _exit_with_parent() -> None:
+    """End this process when the one that started it dies.
+
+    Note: a ``zbench tune`` killed (a ``timeout``, a cancelled CI job: SIGTERM or SIGKILL) cannot shut its pool
+    down, and its tracing processes went on tracing the setups they held, minutes of both cores at 70B with the
+    NVMe offload's 1 MiB sub-groups, with nobody to hear the answer (seen 2026-11-29: two for 24 minutes)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()  # returns when the parent's end of the pipe closes: it exited, however it died
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _trace_one(job: Case, index: int, total: int) -> TracedRow:
