@@ -17,7 +17,9 @@ Mapped onto DeepSpeed's config so that it trains as every other implementation d
   ``offload_param: cpu`` (stage 3). NVMe needs DeepSpeed's async I/O kernels, which a
   ``DS_BUILD_OPS=0`` install does not have, so it is not offered;
 - option ``bucket_size`` (elements) is both ``reduce_bucket_size`` and ``allgather_bucket_size``
-  (default ``BUCKET_ELEMENTS``), the knob ``zbench tune`` searches at stages 1-2.
+  (default ``BUCKET_ELEMENTS``); ``overlap_comm`` (true/false) is DeepSpeed's own (its default: off
+  at stages 1-2, on at stage 3); ``prefetch_size`` (elements) is ``stage3_prefetch_bucket_size``
+  (DeepSpeed's default ``PREFETCH_ELEMENTS``). ``zbench tune`` searches all three (``TUNABLES``).
 
 DeepSpeed needs ``LOCAL_RANK`` (its launcher sets it) and picks its accelerator at import:
 both are set from the case before the import (``DS_ACCELERATOR=cpu`` on CPU).
@@ -48,18 +50,42 @@ INSTALL_HINT = "DeepSpeed is not installed: pip install -e '.[deepspeed]' (on CP
 #: DeepSpeed's buckets (elements) unless the ``bucket_size`` option or the user's config says otherwise: its own
 #: defaults (5e8) would allocate gigabytes for any model.
 BUCKET_ELEMENTS = 50_000_000
-#: The options the adapter takes: a DeepSpeed config (a suite's ``deepspeed_config``), and ``bucket_size``, the
-#: elements of both its gradient-reduction and its parameter all-gather buckets (``reduce_bucket_size`` and
-#: ``allgather_bucket_size``), the knob ``zbench tune`` searches.
-OPTIONS = ("config", "bucket_size")
-BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size")
-#: What ``zbench tune`` searches: the bucket at stages 1-2, where zbench can estimate it (from the reference engine's
-#: flat groups of the same bytes: ``zbench.tune.deepspeed_estimate``); DeepSpeed's own default 5e8 is tried too.
+#: DeepSpeed's own ``stage3_prefetch_bucket_size``: the elements of parameters it gathers ahead of the module that
+#: runs (stage 3), what a setup without the ``prefetch_size`` option runs.
+PREFETCH_ELEMENTS = 50_000_000
+#: The options the adapter takes, each with the DeepSpeed ``zero_optimization`` keys it sets: a DeepSpeed config (a
+#: suite's ``deepspeed_config``), then the knobs ``zbench tune`` searches.
+OPTION_KEYS: dict[str, tuple[str, ...]] = {
+    "config": (),
+    "bucket_size": ("reduce_bucket_size", "allgather_bucket_size"),
+    "overlap_comm": ("overlap_comm",),
+    "prefetch_size": ("stage3_prefetch_bucket_size",),
+}
+OPTIONS = tuple(OPTION_KEYS)
+#: What ``zbench tune`` searches (estimated from the reference engine's traces: ``zbench.tune.deepspeed_estimate``),
+#: each option's DeepSpeed default first:
+#:
+#: - the bucket at stages 1-2: the reference engine's flat groups of the same bytes; DeepSpeed's own 5e8 is tried too;
+#: - ``overlap_comm`` at stages 1-2, where DeepSpeed leaves it off: off, each bucket's reduction runs on the compute
+#:   stream as the bucket fills (``stage_1_and_2.py``, ``reduce_ipg_grads``), so nothing hides backward's
+#:   communication; on, a side stream reduces it behind backward, with a second bucket buffer (``setup_buckets``).
+#:   At stage 3 DeepSpeed turns it on itself, and it is not searched;
+#: - ``prefetch_size`` at stage 3: the reference engine's prefetch of as many blocks as the elements fill (at least
+#:   one); 0 gathers each module's parameters as it runs, so nothing hides them.
 TUNABLES = (
     Tunable(
         "bucket_size", (BUCKET_ELEMENTS, 5_000_000, 500_000_000), stages=frozenset({1, 2}),
         trades="fewer, larger gradient reductions and parameter gathers against a larger bucket buffer and a "
         "larger last bucket nothing hides",
+    ),
+    Tunable(
+        "overlap_comm", (False, True), stages=frozenset({1, 2}), serialized_at=(False,),
+        serialized_phases=frozenset({"backward"}),
+        trades="gradient reductions hidden behind backward (on a GPU) against a second bucket buffer",
+    ),
+    Tunable(
+        "prefetch_size", (PREFETCH_ELEMENTS, 0, 500_000_000), stages=frozenset({3}), serialized_at=(0,),
+        trades="parameter gathers hidden behind compute against parameters gathered ahead",
     ),
 )  # fmt: skip
 
@@ -70,19 +96,22 @@ def checked_options(options: dict[str, Any]) -> None:
     if unknown or not isinstance(options.get("config", {}), dict):
         raise ValueError(
             f"deepspeed takes the options config (a DeepSpeed config as a mapping; or name the JSON file as the "
-            f"suite's deepspeed_config) and bucket_size (elements), got {dict(options)!r}"
+            f"suite's deepspeed_config), bucket_size and prefetch_size (elements) and overlap_comm (true/false), "
+            f"got {dict(options)!r}"
         )
-    if "bucket_size" not in options:
-        return
-    size = options["bucket_size"]
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"deepspeed option bucket_size must be a whole number of elements >= 1, got {size!r}")
+    for name, least in (("bucket_size", 1), ("prefetch_size", 0)):
+        size = options.get(name, least)
+        if isinstance(size, bool) or not isinstance(size, int) or size < least:
+            raise ValueError(f"deepspeed option {name} must be a whole number of elements >= {least}, got {size!r}")
+    if not isinstance(options.get("overlap_comm", False), bool):
+        raise ValueError(f"deepspeed option overlap_comm must be true or false, got {options['overlap_comm']!r}")
     zero = dict(options.get("config") or {}).get("zero_optimization") or {}
-    if clash := [k for k in BUCKET_KEYS if k in zero and zero[k] != size]:
-        raise ValueError(
-            f"deepspeed option bucket_size {size} and the config's {', '.join(f'{k} {zero[k]}' for k in clash)} "
-            "disagree: set one"
-        )
+    for name, keys in OPTION_KEYS.items():
+        if name in options and (clash := [k for k in keys if k in zero and zero[k] != options[name]]):
+            raise ValueError(
+                f"deepspeed option {name} {options[name]} and the config's "
+                f"{', '.join(f'{k} {zero[k]}' for k in clash)} disagree: set one"
+            )
 
 
 #: A JIT build of one of DeepSpeed's ops (its CPU shared-memory collectives, built at the first CPU run) takes about
@@ -97,14 +126,15 @@ def deepspeed_config(spec: TrainSpec, micro_batch: int) -> dict[str, Any]:
     settings are kept, those the harness maps (batch, accumulation, clipping, precision, stage, offload)
     were read from it and agree, and its optimizer and scheduler give way to the client optimizer. Its
     buckets are the ``bucket_size`` option's (``checked_options`` refuses one the config contradicts), else
-    the config's, else ``BUCKET_ELEMENTS``.
+    the config's, else ``BUCKET_ELEMENTS``; ``overlap_comm`` and ``prefetch_size`` likewise, else DeepSpeed's own.
     """
     user = {k: v for k, v in dict(spec.options.get("config") or {}).items() if k not in ("optimizer", "scheduler")}
     user.pop("train_batch_size", None)  # DeepSpeed derives it from the two below
-    bucket = spec.options.get("bucket_size", BUCKET_ELEMENTS)
+    given = {key: spec.options[name] for name, keys in OPTION_KEYS.items() if name in spec.options for key in keys}
     zero: dict[str, Any] = {
-        **dict.fromkeys(BUCKET_KEYS, bucket),
+        **dict.fromkeys(OPTION_KEYS["bucket_size"], BUCKET_ELEMENTS),
         **dict(user.get("zero_optimization") or {}),
+        **given,
         "stage": spec.stage,
     }
     pinned = spec.device.type == "cuda"  # nothing to pin for on a CPU run

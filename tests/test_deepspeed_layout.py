@@ -153,3 +153,34 @@ def test_the_bucket_size_option_sets_both_of_deepspeeds_buckets_and_bad_values_a
     ]:
         with pytest.raises(ValueError, match=message):
             checked_options(bad)
+
+
+def test_overlap_and_prefetch_options_set_deepspeeds_keys_and_bad_values_are_refused():
+    """``overlap_comm`` and ``prefetch_size`` (what ``zbench tune`` searches at stages 1-2 and 3) are DeepSpeed's
+    ``overlap_comm`` and ``stage3_prefetch_bucket_size``; without them DeepSpeed's own defaults stand (nothing is
+    written), a config's own value stands, and one line refuses a bad value or a contradiction."""
+    from zbench.implementations.deepspeed_zero import checked_options, deepspeed_config
+    from zbench.protocol import TrainSpec
+
+    def zero(options: dict, stage: int = 3) -> dict:
+        checked_options(options)
+        spec = TrainSpec(device=torch.device("cpu"), precision="fp32", stage=stage, options=options)
+        return deepspeed_config(spec, 1)["zero_optimization"]
+
+    assert "overlap_comm" not in zero({}) and "stage3_prefetch_bucket_size" not in zero({})
+    assert zero({"overlap_comm": True}, stage=2)["overlap_comm"] is True
+    assert zero({"prefetch_size": 0})["stage3_prefetch_bucket_size"] == 0
+    own = {"config": {"zero_optimization": {"overlap_comm": False, "stage3_prefetch_bucket_size": 1000}}}
+    assert (zero(own)["overlap_comm"], zero(own)["stage3_prefetch_bucket_size"]) == (False, 1000)
+    assert zero({**own, "prefetch_size": 1000})["stage3_prefetch_bucket_size"] == 1000
+    for bad, message in [
+        ({"prefetch_size": -1}, "prefetch_size must be a whole number of elements >= 0"),
+        ({"prefetch_size": 1.5}, "prefetch_size must be a whole number"),
+        ({"prefetch_size": False}, "prefetch_size must be a whole number"),
+        ({"overlap_comm": 1}, "overlap_comm must be true or false, got 1"),
+        ({"overlap_comm": "yes"}, "overlap_comm must be true or false"),
+        ({**own, "overlap_comm": True}, "overlap_comm True and the config's overlap_comm False disagree"),
+        ({**own, "prefetch_size": 0}, "stage3_prefetch_bucket_size 1000 disagree: set one"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            checked_options(bad)

@@ -41,11 +41,13 @@ def answer(cli, cache_dir):
 
 def test_tune_traces_every_setup_and_ranks_them_fastest_first(answer):
     ranked = answer["ranked"]
-    # ddp: 1 setup; zero3: none, optimizer, optimizer+params, nvme; each at micro-batch 1 and 2
-    assert len(ranked) == 10 and not answer["pruned"]
+    # ddp: 1 setup; zero3: none, optimizer, optimizer+params; each at micro-batch 1 and 2. NVMe: below
+    assert len(ranked) == 8
     assert {(r["implementation"], r["offload"]) for r in ranked} == {
-        ("ddp", "none"), ("zero3", "none"), ("zero3", "optimizer"), ("zero3", "optimizer+params"), ("zero3", "nvme")
+        ("ddp", "none"), ("zero3", "none"), ("zero3", "optimizer"), ("zero3", "optimizer+params")
     }  # fmt: skip
+    assert [(s["offload"], s["micro_batch"], s["needs"]) for s in answer["pruned"]] == [("nvme", 1, None),
+                                                                                        ("nvme", 2, None)]  # fmt: skip
     rates = [r["estimate"]["tokens_per_s_per_gpu"] for r in ranked]
     assert rates == sorted(rates, reverse=True) and rates[-1] > 0
     assert not any(r["cached"] for r in ranked)
@@ -58,6 +60,29 @@ def test_tune_traces_every_setup_and_ranks_them_fastest_first(answer):
         assert need[("optimizer", mb)]["host_per_node"] > need[("none", mb)]["host_per_node"] == 0
     assert "measured error" in answer["measured_error"]
     assert not any("deepspeed" in line for line in answer["left_out"])  # not asked for: not listed
+
+
+def test_nvme_is_traced_only_where_its_host_twin_does_not_fit(tune, answer):
+    """ZeRO-Infinity's disk tier holds what CPU offload holds on the host (at stage 3, ``optimizer+params``) and
+    needs no less of the GPU: where that twin fits, the NVMe setup is pruned untraced, naming it. Where host memory
+    cannot hold the twin, the NVMe setup is traced and ranked; planted: a host limit between the two."""
+    twins = {s["micro_batch"]: s for s in answer["ranked"] if s["offload"] == "optimizer+params"}
+    for s in answer["pruned"]:
+        assert s["pruned"] == (f"not traced: its host twin ({twins[s['micro_batch']]['name']}) fits, needs no more "
+                               "GPU and offloads faster")  # fmt: skip
+    r = tune("--json", "-o", "nvme")  # no twin asked for: traced
+    assert r.returncode == 0, r.stderr
+    disk = {s["micro_batch"]: s for s in json.loads(r.stdout)["ranked"]}
+    assert all(disk[mb]["needs"]["gpu"] >= twins[mb]["needs"]["gpu"] for mb in (1, 2))
+    hosted = [s for s in answer["ranked"] if s["needs"]["host_per_node"] > 0]
+    between = (max(d["needs"]["host_per_node"] for d in disk.values()) +
+               min(s["needs"]["host_per_node"] for s in hosted)) / 2  # fmt: skip
+    r = tune("--json", "--host-memory", repr(between / 2**30))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    offloaded = {(s["offload"], s["micro_batch"]) for s in doc["ranked"] if s["offload"] != "none"}
+    assert offloaded == {("nvme", 1), ("nvme", 2)}
+    assert all(s["pruned"].startswith("host per node") for s in doc["pruned"])
 
 
 def test_a_second_question_takes_every_trace_from_the_cache(tune, answer):
@@ -90,18 +115,24 @@ def test_the_gpu_limit_prunes_exactly_the_setups_whose_traced_peak_exceeds_it(tu
     assert any("model states alone: the ZeRO formulas" in s["pruned"] for s in skipped)  # DDP: whole states
     assert any("micro-batch 1 of the same setup already does not fit" in s["pruned"] for s in skipped)
     unlimited = {s["name"]: s["needs"]["gpu"] for s in answer["ranked"]}
-    assert {s["name"] for s in doc["pruned"]} == {name for name, need in unlimited.items() if need > cut}
+    disk = {s["name"] for s in doc["pruned"] + doc["ranked"] if s["offload"] == "nvme"}  # traced where twins go
+    assert {s["name"] for s in doc["pruned"]} - disk == {name for name, need in unlimited.items() if need > cut}
+    for s in doc["pruned"]:  # an NVMe setup is traced where its twin does not fit, and needs no less of the GPU
+        assert s["offload"] != "nvme" or "its host twin" in s["pruned"] or s["pruned"].startswith("GPU: needs")
 
 
 def test_host_memory_per_node_prunes_the_offloaded_setups(tune, answer):
-    """Host memory per node below what the offloaded setups keep there (two ranks' worth): they go, the rest stay."""
+    """Host memory per node below what the offloaded setups keep there (two ranks' worth): they go, the rest stay;
+    the NVMe setups are traced now that their host twins do not fit, and judged by their own host need."""
     hosted = [r for r in answer["ranked"] if r["needs"]["host_per_node"] > 0]
     assert hosted
     smallest = min(r["needs"]["host_per_node"] for r in hosted)
     r = tune("--json", "--host-memory", repr(smallest / 2 / 2**30))
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert {s["name"] for s in doc["pruned"]} == {s["name"] for s in hosted}
+    assert {s["name"] for s in doc["pruned"] if s["offload"] != "nvme"} == {s["name"] for s in hosted}
+    disk = [s for s in doc["ranked"] + doc["pruned"] if s["offload"] == "nvme"]
+    assert len(disk) == 2 and all(s["needs"] is not None for s in disk)
     assert all(s["pruned"].startswith("host per node") for s in doc["pruned"])
 
 
@@ -110,7 +141,7 @@ def test_the_table_shows_the_ranking_each_implementations_best_and_the_error(tun
     assert r.returncode == 0, r.stderr
     assert "each implementation's best" in r.stdout and "measured error" in r.stdout
     assert r.stdout.count("micro-batch") >= 3 + 2
-    assert "10 of 10 setups fit" in r.stdout
+    assert "8 of 10 setups fit; 2 pruned" in r.stdout and "its host twin" in r.stdout
 
 
 @pytest.mark.parametrize(
@@ -274,9 +305,10 @@ def with_deepspeed(cli, cache_dir, tmp_path_factory):
 
 def test_deepspeed_is_estimated_from_the_same_stages_trace_with_its_own_layout(with_deepspeed, cache_dir, monkeypatch):
     """Each DeepSpeed setup is its stand-in's trace, the reference engine at the same stage, at stage 1 with flat
-    groups of DeepSpeed's bucket bytes (50M fp32 elements: 190.7 MiB), the trace the search made (found in its
-    cache): the same predicted step, the activations and buffers the stand-in's trace holds beyond its model
-    states, DeepSpeed's declared model states in place of the stand-in's; labelled as estimated."""
+    groups of DeepSpeed's bucket bytes (50M fp32 elements: 190.7 MiB), at stage 3 prefetching the blocks DeepSpeed's
+    prefetch bucket fills (50M elements: both of tiny's), the trace the search made (found in its cache): the same
+    predicted step (nothing overlaps on this CPU profile), the activations and buffers the stand-in's trace holds
+    beyond its model states, DeepSpeed's declared model states in place of the stand-in's; labelled as estimated."""
     from zbench.cases.formulas import placement_for
     from zbench.plan.simulate.cluster import load
     from zbench.plan.trace.plan import make_case
@@ -298,13 +330,13 @@ def test_deepspeed_is_estimated_from_the_same_stages_trace_with_its_own_layout(w
     limits = Limits(gpu_bytes=cluster.memory_gib * GIB, reserve=doc["limits"]["reserve"], host_bytes_per_node=None,
                     disk_bytes_per_node=None, gpus_per_node=2)  # fmt: skip
     for s in ds:
-        bucket = {"bucket_mb": 50_000_000 * 4 / 2**20} if s["stage"] == 1 else {}
+        mapped = {"bucket_mb": 50_000_000 * 4 / 2**20} if s["stage"] == 1 else {"prefetch": 2}
         zero = make_case("tiny", f"zero{s['stage']}", s["stage"], s["offload"], gpus=2, precision="fp32",
-                         micro_batch=1, seq_len=32, device="cpu", checkpointing=False, options=bucket)  # fmt: skip
+                         micro_batch=1, seq_len=32, device="cpu", checkpointing=False, options=mapped)  # fmt: skip
         with Tracers() as tracers:
             (stand_in,) = search([zero], cluster, limits, cache=TraceCache(), tracers=tracers, progress=print)
         assert stand_in.cached, "the search traced the stand-in this test names"
-        label = f"zero{s['stage']}" + (", bucket_mb 190.735" if bucket else "")
+        label = f"zero{s['stage']}, " + ("bucket_mb 190.735" if s["stage"] == 1 else "prefetch 2")
         assert s["estimated_from"] == label and f"(estimated from {label})" in s["name"]
         assert s["estimate"] == json.loads(json.dumps(stand_in.estimate.to_json()))
         case = make_case("tiny", "deepspeed", s["stage"], s["offload"], gpus=2, precision="fp32", micro_batch=1,
@@ -331,7 +363,8 @@ def test_deepspeeds_bucket_goes_to_deepspeed_alone_and_is_its_stand_ins_flat_gro
     doc = json.loads(r.stdout)
     every = doc["ranked"] + doc["pruned"]
     zero = [s for s in every if s["implementation"] in ("zero1", "zero3")]
-    assert zero and all(not s["options"] and s["pruned"] is None for s in zero)
+    assert zero and all(not s["options"] for s in zero)
+    assert all(s["pruned"] is None for s in zero if s["offload"] != "nvme")
     small, default = (
         next(s for s in d["ranked"] + d["pruned"] if s["implementation"] == "deepspeed" and s["stage"] == 1
              and s["offload"] == "none")
@@ -345,6 +378,32 @@ def test_deepspeeds_bucket_goes_to_deepspeed_alone_and_is_its_stand_ins_flat_gro
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().count("\n") == 0
     assert "--option bucket: none of the implementations given takes it" in r.stderr
+
+
+def test_deepspeeds_overlap_and_prefetch_are_its_stand_ins_serialized_phases_and_prefetch(cli, cache_dir, monkeypatch):
+    """On a GPU profile (communication overlaps compute), with buckets of a fifth of tiny's gradients (one bucket
+    would end backward, where nothing hides it anyway): DeepSpeed's default at stage 1 leaves ``overlap_comm`` off,
+    so backward's reductions are charged as exposed, where ``overlap_comm=true`` hides them as the stand-in does
+    and adds a second bucket buffer to the GPU need. At stage 3 a ``prefetch_size`` of 0 is the stand-in without
+    prefetch: every gather waited for."""
+    monkeypatch.setenv("ZBENCH_CACHE_DIR", str(cache_dir))
+    base = (*DEEPSPEED_BASE[:6], "h100-sxm", *DEEPSPEED_BASE[7:], "--json", "--no-search-options")
+
+    def deepspeed(*options: str) -> dict[int, dict]:
+        r = cli(*base, *(a for o in options for a in ("--option", o)))
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        return {s["stage"]: s for s in doc["ranked"] if s["implementation"] == "deepspeed" and s["offload"] == "none"}
+
+    bucket = "bucket_size=20000"
+    default, overlapped = deepspeed(bucket), deepspeed(bucket, "overlap_comm=true")
+    unfetched = deepspeed(bucket, "prefetch_size=0")
+    assert default[1]["estimate"]["exposed_comm_s"] > overlapped[1]["estimate"]["exposed_comm_s"]
+    assert default[1]["estimate"]["tokens_per_s_per_gpu"] < overlapped[1]["estimate"]["tokens_per_s_per_gpu"]
+    assert overlapped[1]["needs"]["gpu"] - default[1]["needs"]["gpu"] == pytest.approx(20_000 * 4)
+    assert (default[3]["estimated_from"], unfetched[3]["estimated_from"]) == ("zero3, prefetch 2", "zero3, prefetch 0")
+    assert unfetched[3]["estimate"]["exposed_comm_s"] > default[3]["estimate"]["exposed_comm_s"]
+    assert overlapped[3]["estimate"] == default[3]["estimate"]  # stage 3 overlaps by DeepSpeed's own default
 
 
 def test_an_option_reaches_only_the_implementations_that_read_it():
@@ -363,7 +422,7 @@ def test_an_option_reaches_only_the_implementations_that_read_it():
     assert untaken_option(["ddp", "zero1", "deepspeed"], given) == (
         "--option backward_prefetch: none of the implementations given takes it (ddp: bucket_mb; zero1: bucket_mb, "
         "initial_loss_scale, loss_scale_growth_interval, nvme_chunk_mb, prefetch, reduce_dtype; deepspeed: "
-        "bucket_size, config)"
+        "bucket_size, config, overlap_comm, prefetch_size)"
     )
     assert untaken_option(["torch_zero"], {"prefetch": 1}).endswith("(they take none)")
     assert untaken_option(["ddp", "fsdp1"], {"bucket_mb": 1, "backward_prefetch": "pre"}) is None
@@ -421,12 +480,13 @@ def test_verify_refuses_a_profile_not_calibrated_here(tune, answer):
 def test_an_emitted_nvme_setup_swaps_where_nvme_dir_says_or_the_header_asks_for_one(tune, answer, tmp_path):
     import yaml
 
-    r = tune("--top", "10", "--emit-suite", str(tmp_path / "with.yaml"), "--nvme-dir", str(tmp_path))
+    r = tune("-o", "none", "-o", "nvme", "--top", "10", "--emit-suite", str(tmp_path / "with.yaml"), "--nvme-dir",
+             str(tmp_path))  # fmt: skip
     assert r.returncode == 0, r.stderr
     written = yaml.safe_load((tmp_path / "with.yaml").read_text())
     assert written["nvme_dir"] == str(tmp_path)
     assert any(e["offload"] == ["nvme"] for e in written["implementations"])
-    r = tune("--top", "10", "--emit-suite", str(tmp_path / "without.yaml"))
+    r = tune("-o", "none", "-o", "nvme", "--top", "10", "--emit-suite", str(tmp_path / "without.yaml"))
     assert r.returncode == 0, r.stderr
     text = (tmp_path / "without.yaml").read_text()
     assert "# An NVMe-offload setup: set nvme_dir" in text and "nvme_dir" not in yaml.safe_load(text)

@@ -333,8 +333,8 @@ def test_fsdp1_rejects_an_unknown_backward_prefetch_in_one_line():
 
 def test_deepspeeds_best_has_its_bucket_searched_but_its_estimates_take_no_traced_setups_place():
     """Planted, no tracing: a DeepSpeed estimate ties its stand-in. DeepSpeed's best is a seed, its bucket varied
-    (50M elements by default, then 5M and DeepSpeed's own 500M); among the three fastest and the three nearest
-    misses only traced setups count, so an estimate beside each takes none of their places."""
+    (50M elements by default, then 5M and DeepSpeed's own 500M) and its overlap turned on; among the three fastest
+    and the three nearest misses only traced setups count, so an estimate beside each takes none of their places."""
     from zbench.plan.simulate.step import StepEstimate
     from zbench.plan.trace.plan import make_case
     from zbench.tune.options import seeds, variants
@@ -361,5 +361,7 @@ def test_deepspeeds_best_has_its_bucket_searched_but_its_estimates_take_no_trace
                       ("zero1", 32)]  # fmt: skip
     ds_best = ranked[1]
     assert [v.options for v in variants(ds_best.case, {})] == [{"bucket_size": 5_000_000},
-                                                               {"bucket_size": 500_000_000}]  # fmt: skip
-    assert variants(ds_best.case, {"bucket_size": 5_000_000}) == []  # fixed by --option: not searched
+                                                               {"bucket_size": 500_000_000},
+                                                               {"overlap_comm": True}]  # fmt: skip
+    fixed = {"bucket_size": 5_000_000, "overlap_comm": False}
+    assert variants(ds_best.case, fixed) == []  # fixed by --option: not searched

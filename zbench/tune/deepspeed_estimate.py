@@ -2,20 +2,25 @@
 the model itself), so each DeepSpeed setup is read off the trace of its stand-in, the reference engine at the same
 stage, offload mode, micro-batch and checkpointing (``zero1``-``zero3``, which shard and communicate as ZeRO says),
 with DeepSpeed's own declared layout (``deepspeed_layout.py``, held within 0.03% of measured) in place of the
-stand-in's traced model states:
+stand-in's traced model states. DeepSpeed's options (``TUNABLES``) map onto the stand-in's:
 
 - buckets: at stages 1-2 the stand-in's flat groups hold as many bytes as DeepSpeed's bucket (``bucket_size``
   elements of fp32, the dtype DeepSpeed reduces in here, also under bf16): 50M elements are 190.7 MiB where the
   reference engine's default is 4 MiB. So DeepSpeed's bucket is searched as the reference engine's would be: fewer,
-  larger collectives, a larger buffer at the peak. Stage 3's buckets (``stage3_prefetch_bucket_size`` counts
-  elements, the reference engine's prefetch counts blocks) are not mapped, and not searched;
+  larger collectives, a larger buffer at the peak;
+- ``overlap_comm`` (stages 1-2): off, DeepSpeed's default there, backward's reductions are charged as exposed (the
+  step model's serialized phase, ``Tunable.serialized_at``); on, they hide as the stand-in's do, and a second bucket
+  buffer is added to the GPU need;
+- ``prefetch_size`` (stage 3, elements): the stand-in's prefetch of as many blocks as the elements fill, at least
+  one (DeepSpeed gathers part of a block ahead where the reference engine gathers whole blocks: the peak is an upper
+  bound), none for 0;
 - GPU need: the stand-in's traced peak less its traced model states on the GPU, plus DeepSpeed's;
 - host need: DeepSpeed's host-held states (its CPU offload) for every rank of a node;
-- step time: the stand-in's prediction, with DeepSpeed's own host work in place of the stand-in's where the
-  profile's calibration measured both (``zbench calibrate`` probes DeepSpeed where it is installed: on 2 CPU
-  cores its host work was 1.6-2.8x the reference engine's at stages 1-2 and about 6x at stage 3). Not modelled:
-  DeepSpeed all-reduces each gradient bucket at stages 1-2 where the stand-in reduce-scatters it (``DeepSpeed.
-  expected_comm_elements``), and its own overlap.
+- step time: the stand-in's trace charged with DeepSpeed's serialized phases, with DeepSpeed's own host work in place
+  of the stand-in's where the profile's calibration measured both (``zbench calibrate`` probes DeepSpeed where it is
+  installed: on 2 CPU cores its host work was 1.6-2.8x the reference engine's at stages 1-2 and about 6x at stage
+  3). Not modelled: DeepSpeed all-reduces each gradient bucket at stages 1-2 where the stand-in reduce-scatters it
+  (``DeepSpeed.expected_comm_elements``).
 
 Every such setup is labelled "estimated from" its stand-in wherever it is shown.
 """
@@ -27,10 +32,11 @@ from collections.abc import Callable
 from zbench.cases import registry
 from zbench.cases.case import Case
 from zbench.cases.model_source import model_info
-from zbench.implementations.deepspeed_zero import BUCKET_ELEMENTS, TUNABLES
+from zbench.implementations.deepspeed_zero import BUCKET_ELEMENTS, PREFETCH_ELEMENTS
 from zbench.plan.simulate.calibration import overhead_key
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.compute import implementation_seconds
+from zbench.plan.simulate.sweep import serialized
 from zbench.plan.trace.plan import make_case, taken_options
 from zbench.run.aggregate import declared_layout
 from zbench.suite.preflight import DEEPSPEED
@@ -39,8 +45,8 @@ from zbench.tune.space import Question
 
 #: Bytes of one gradient element as DeepSpeed reduces it in zbench's config (fp32: ``communication_data_type``).
 COMM_BYTES = 4
-#: The stages whose buckets map onto the stand-in's (its ``bucket_mb``).
-BUCKETED_STAGES = TUNABLES[0].stages
+#: The stages whose buckets map onto the stand-in's (its ``bucket_mb``), and where ``overlap_comm`` is searched.
+BUCKETED_STAGES = frozenset({1, 2})
 
 
 def stand_in_name(stage: int) -> str:
@@ -53,6 +59,23 @@ def bucket_mb(case: Case) -> float:
     return case.options.get("bucket_size", BUCKET_ELEMENTS) * COMM_BYTES / 2**20
 
 
+def prefetch_blocks(case: Case) -> int:
+    """The reference engine's prefetch (blocks ahead) that holds ``case``'s DeepSpeed prefetch (elements ahead): as
+    many of the model's largest blocks as it fills, at least one unless it is 0, at most every block."""
+    size = case.options.get("prefetch_size", PREFETCH_ELEMENTS)
+    blocks = model_info(case.model).block_sizes
+    if size == 0 or not blocks:
+        return 0 if size == 0 else 1
+    return min(len(blocks), -(-size // max(blocks)))
+
+
+def overlap_buffer_bytes(case: Case) -> int:
+    """The second bucket buffer DeepSpeed allocates at stages 1-2 with ``overlap_comm`` on (``setup_buckets``)."""
+    if case.stage not in BUCKETED_STAGES or not case.options.get("overlap_comm", False):
+        return 0
+    return case.options.get("bucket_size", BUCKET_ELEMENTS) * COMM_BYTES
+
+
 def left_out(q: Question) -> list[str]:
     """What the user is told about DeepSpeed in the search: how it is estimated, or why it cannot be."""
     if DEEPSPEED not in q.implementations or q.precision not in registry.resolve(DEEPSPEED).capabilities.precisions:
@@ -63,8 +86,9 @@ def left_out(q: Question) -> list[str]:
         return [f"{DEEPSPEED}: not searched: it is estimated from the traces of {', '.join(missing)}, which were "
                 f"left out (-i {' -i '.join(missing)})"]  # fmt: skip
     line = (f"{DEEPSPEED}: estimated, not traced (fake tensors cannot run it yet): each setup is the same stage's "
-            "zero1-3 trace, at stages 1-2 with flat groups of DeepSpeed's bucket bytes, with DeepSpeed's declared "
-            "layout in place of its model states")  # fmt: skip
+            "zero1-3 trace, at stages 1-2 with flat groups of DeepSpeed's bucket bytes (backward's reductions "
+            "exposed unless overlap_comm), at stage 3 with the blocks its prefetch_size fills, with DeepSpeed's "
+            "declared layout in place of its model states")  # fmt: skip
     if missing:
         line += f"; not at the stages of {', '.join(missing)}, left out (-i {' -i '.join(missing)})"
     if absent := registry.resolve(DEEPSPEED).capabilities.missing:
@@ -95,10 +119,13 @@ def first_cases(q: Question, cases: list[Case]) -> list[Case]:
 
 def stand_in(q: Question, case: Case) -> Case:
     """The reference engine's setup a DeepSpeed ``case`` is read off: the same axes and the question's options
-    (not DeepSpeed's), at stages 1-2 with ``bucket_mb`` holding DeepSpeed's bucket."""
+    (not DeepSpeed's), at stages 1-2 with ``bucket_mb`` holding DeepSpeed's bucket, at stage 3 with the ``prefetch``
+    its ``prefetch_size`` fills."""
     options = taken_options(stand_in_name(case.stage), q.options)
     if case.stage in BUCKETED_STAGES:
         options["bucket_mb"] = bucket_mb(case)
+    else:
+        options["prefetch"] = prefetch_blocks(case)
     s = make_case(
         q.model, stand_in_name(case.stage), case.stage, case.offload, gpus=q.gpus, precision=q.precision,
         micro_batch=case.micro_batch, seq_len=q.seq_len, device=q.device, checkpointing=case.activation_checkpointing,
@@ -123,8 +150,8 @@ def estimate(
 
 def _estimated(case: Case, c: Candidate, cluster: Cluster, limits: Limits) -> Candidate:
     ds = Candidate(case)
-    bucket = c.case.options.get("bucket_mb") if case.stage in BUCKETED_STAGES else None
-    ds.estimated_from = c.case.implementation + (f", bucket_mb {bucket:g}" if bucket is not None else "")
+    mapped = "bucket_mb" if case.stage in BUCKETED_STAGES else "prefetch"
+    ds.estimated_from = f"{c.case.implementation}, {mapped} {c.case.options[mapped]:g}"
     if c.traced is None or c.needs is None:
         traced = "could not be traced" if c.traced is not None else "was not traced"
         ds.pruned = f"estimated from {c.name}, which {traced}: {c.pruned}"
@@ -133,13 +160,13 @@ def _estimated(case: Case, c: Candidate, cluster: Cluster, limits: Limits) -> Ca
     place, _ = declared_layout(case)
     ds.traced = c.traced
     ds.needs = Needs(
-        gpu=c.needs.gpu - c.traced.row.located("device") + placed_bytes(place, "device"),
+        gpu=c.needs.gpu - c.traced.row.located("device") + placed_bytes(place, "device") + overlap_buffer_bytes(case),
         host_per_node=placed_bytes(place, "host") * limits.gpus_per_node,
         disk_per_node=placed_bytes(place, "disk") * limits.gpus_per_node,
     )
     prune(ds, limits, by=f" (estimated: {c.case.implementation}'s trace with DeepSpeed's layout)")
     if ds.pruned is None:
-        stand_in_step = c.estimate if c.estimate is not None else c.traced.estimate(cluster)
+        stand_in_step = c.traced.estimate(cluster, serialized_phases=serialized(case))
         ds.estimate = stand_in_step.with_host_work(host_work_difference(cluster, c.case, case))
     return ds
 

@@ -121,10 +121,12 @@ class Traced:
     cached: bool
     extrapolated: Extrapolated | None = None
 
-    def estimate(self, cluster: Cluster) -> StepEstimate:
+    def estimate(self, cluster: Cluster, *, serialized_phases: frozenset[str] | None = None) -> StepEstimate:
+        """The traced setup's step; ``serialized_phases`` charges those phases' collectives as exposed in place of
+        its own options' (a DeepSpeed setup read off this trace: ``zbench.tune.deepspeed_estimate``)."""
         world = self.row.case.world_size  # every setup is traced at the user's GPU count
         compute = self.extrapolated.phase_compute(cluster, world) if self.extrapolated else None
-        return estimate_row(self.row, cluster, world, compute)
+        return estimate_row(self.row, cluster, world, compute, serialized_phases=serialized_phases)
 
 
 def trace_all(
@@ -210,7 +212,8 @@ def search(
     overflow the GPU or a node's host or disk is pruned untraced. The rest are traced a micro-batch at a time,
     smallest first: a setup that does not fit the GPU at one micro-batch will not at a larger one (activations
     only grow), so its larger micro-batches are pruned untraced, naming the one that did not fit (compared only
-    between micro-batches that both accumulate gradients, or both do not: ``_siblings``).
+    between micro-batches that both accumulate gradients, or both do not: ``_siblings``). An NVMe setup is traced
+    only where its host twin does not fit (``host_twin``).
     """
     candidates = [Candidate(case) for case in cases]
     by = f" at least (model states alone: the ZeRO formulas' less {FORMULA_SLACK:.0%}; not traced)"
@@ -233,15 +236,44 @@ def search(
         if not batch:
             continue
         progress(f"micro-batch {mb}: {len(batch)} setups")
-        traced = trace_all(
-            [c.case for c in batch], cache=cache, tracers=tracers, progress=progress, extrapolate=extrapolate,
-            fresh=fresh,
-        )  # fmt: skip
-        for c, t in zip(batch, traced, strict=True):
-            _judge(c, t, cluster, limits)
+
+        def trace_and_judge(part: list[Candidate]) -> None:
+            if part:
+                traced = trace_all(
+                    [c.case for c in part], cache=cache, tracers=tracers, progress=progress, extrapolate=extrapolate,
+                    fresh=fresh,
+                )  # fmt: skip
+                for c, t in zip(part, traced, strict=True):
+                    _judge(c, t, cluster, limits)
+
+        trace_and_judge([c for c in batch if c.case.offload != "nvme"])
+        trace_and_judge([c for c in batch if c.case.offload == "nvme" and not _host_twin_fits(c, candidates)])
+        for c in batch:
             if c.pruned and c.pruned.startswith("GPU"):
                 too_big.setdefault(_siblings(c.case), mb)
     return ranked(candidates)
+
+
+def host_twin(case: Case) -> Case:
+    """An NVMe setup's twin on the host: the same setup with CPU offload of what the disk tier holds (the optimizer
+    state and masters; at stage 3 the parameters too: ``optimizer+params``).
+
+    The twin needs no more of the GPU (the disk tier streams through host buffers: gpt-70b on 64 GPUs, ZeRO-3, took
+    14.48 GiB against the twin's 14.47, 2026-11-29) and its offload moves the same bytes at host-memory speed
+    instead of the disk's: wherever the twin fits, the NVMe setup is no faster and no leaner on the GPU. ZeRO-Infinity
+    is for where host memory cannot hold the twin's states."""
+    return case.model_copy(update={"offload": "optimizer+params" if case.stage == 3 else "optimizer"})
+
+
+def _host_twin_fits(c: Candidate, candidates: list[Candidate]) -> bool:
+    """Whether ``c``, an NVMe setup, is pruned untraced because its host twin (among ``candidates``, judged) fits."""
+    key = setup_key(host_twin(c.case))
+    twin = next((o for o in candidates if o.needs is not None and setup_key(o.case) == key), None)
+    if twin is None or twin.pruned is not None:
+        return False
+    c.pruned = f"not traced: its host twin ({twin.name}) fits, needs no more GPU and offloads faster"
+    c.overshoot = float("inf")
+    return True
 
 
 def ranked(candidates: list[Candidate]) -> list[Candidate]:

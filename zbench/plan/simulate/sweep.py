@@ -68,10 +68,16 @@ def operator_compute(row: TracedRow, cluster: Cluster, world: int) -> dict[str, 
 
 
 def estimate_row(
-    row: TracedRow, cluster: Cluster, world: int, phase_compute: dict[str, float] | None = None
+    row: TracedRow,
+    cluster: Cluster,
+    world: int,
+    phase_compute: dict[str, float] | None = None,
+    *,
+    serialized_phases: frozenset[str] | None = None,
 ) -> StepEstimate:
     """One traced case's step at ``world`` ranks; ``phase_compute`` replaces the row's own operators' charge
-    (``operator_compute``) where the caller has it another way (``zbench.tune.extrapolate``)."""
+    (``operator_compute``) where the caller has it another way (``zbench.tune.extrapolate``), ``serialized_phases`` the
+    phases its own options serialize (``serialized(row.case)``)."""
     case = row.case
     info = model_info(case.model)
     tokens = case.micro_batch * case.grad_accum * case.seq_len
@@ -86,13 +92,14 @@ def estimate_row(
         checkpointing=case.activation_checkpointing,
         tokens_per_step=tokens,
         phase_compute=phase_compute if phase_compute is not None else operator_compute(row, cluster, world),
-        serialized=serialized(case),
+        serialized=serialized(case) if serialized_phases is None else serialized_phases,
     )
 
 
 def serialized(case: Case) -> frozenset[str]:
     """The phases in which ``case``'s options make its implementation wait for each collective as it issues it
-    (``Tunable.serialized_at``: a ZeRO-3 prefetch of 0, both; FSDP1 without backward prefetch, backward)."""
+    (``Tunable.serialized_at``: a ZeRO-3 prefetch of 0, both; FSDP1 without backward prefetch, backward; DeepSpeed
+    without ``overlap_comm``, backward). An option not given is at its default (``Tunable.values[0]``)."""
     caps = case.capabilities
     if caps is None:
         return frozenset()
@@ -100,7 +107,7 @@ def serialized(case: Case) -> frozenset[str]:
         *(
             t.serialized_phases
             for t in caps.tunables
-            if t.applies(case.stage) and t.option in case.options and case.options[t.option] in t.serialized_at
+            if t.applies(case.stage) and case.options.get(t.option, t.values[0]) in t.serialized_at
         )
     )
 
