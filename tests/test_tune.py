@@ -85,6 +85,22 @@ def test_nvme_is_traced_only_where_its_host_twin_does_not_fit(tune, answer):
     assert all(s["pruned"].startswith("host per node") for s in doc["pruned"])
 
 
+def test_an_nvme_setup_goes_untraced_where_its_host_twin_misses_the_gpu_and_would_have_missed_it_too(tune, answer):
+    """Planted: a GPU limit between the host twin's needs at micro-batch 1 and 2. At 2 the twin does not fit, and
+    the NVMe setup, which needs no less, is pruned untraced; traced alone, it indeed needs more than the limit."""
+    twin = {s["micro_batch"]: s["needs"]["gpu"] for s in answer["ranked"] if s["offload"] == "optimizer+params"}
+    limit = (twin[1] + twin[2]) / 2
+    r = tune("--json", "--gpu-memory", repr(limit / 0.8 / 2**30))  # the default reserve keeps 20% free
+    assert r.returncode == 0, r.stderr
+    disk = {s["micro_batch"]: s for s in json.loads(r.stdout)["pruned"] if s["offload"] == "nvme"}
+    assert disk[2]["needs"] is None and disk[2]["pruned"].startswith("GPU: its host twin (zero3 (stage 3) + offload ")
+    assert "already does not fit, and it needs no less (not traced)" in disk[2]["pruned"]
+    r = tune("--json", "-o", "nvme")
+    assert r.returncode == 0, r.stderr
+    traced = {s["micro_batch"]: s["needs"]["gpu"] for s in json.loads(r.stdout)["ranked"]}
+    assert traced[2] > limit
+
+
 def test_a_second_question_takes_every_trace_from_the_cache(tune, answer):
     r = tune("--json")
     assert r.returncode == 0, r.stderr
@@ -97,8 +113,9 @@ def test_a_second_question_takes_every_trace_from_the_cache(tune, answer):
 def test_the_gpu_limit_prunes_exactly_the_setups_whose_traced_peak_exceeds_it(tune, answer):
     """A GPU sized so its usable share falls between two traced needs: those above are pruned with their
     overshoot, those at or below kept, none misplaced. Some are pruned untraced (model states alone over the GPU
-    by the formulas; a larger micro-batch of a setup that did not fit): the unlimited answer shows each of those
-    needs more than the limit too, so the shortcuts lost no setup that fits."""
+    by the formulas; a larger micro-batch of a setup that did not fit; an NVMe setup whose host twin did not):
+    the unlimited answer shows each of those needs more than the limit too, so the shortcuts lost no setup that
+    fits."""
     needs = sorted({r["needs"]["gpu"] for r in answer["ranked"]})
     cut = (needs[len(needs) // 2 - 1] + needs[len(needs) // 2]) / 2
     gib = cut / 0.8 / 2**30  # the default reserve keeps 20% free
@@ -117,8 +134,14 @@ def test_the_gpu_limit_prunes_exactly_the_setups_whose_traced_peak_exceeds_it(tu
     unlimited = {s["name"]: s["needs"]["gpu"] for s in answer["ranked"]}
     disk = {s["name"] for s in doc["pruned"] + doc["ranked"] if s["offload"] == "nvme"}  # traced where twins go
     assert {s["name"] for s in doc["pruned"]} - disk == {name for name, need in unlimited.items() if need > cut}
-    for s in doc["pruned"]:  # an NVMe setup is traced where its twin does not fit, and needs no less of the GPU
-        assert s["offload"] != "nvme" or "its host twin" in s["pruned"] or s["pruned"].startswith("GPU: needs")
+    r = tune("--json", "-o", "nvme")  # no host twins asked for: every NVMe setup traced
+    assert r.returncode == 0, r.stderr
+    disk_need = {s["name"]: s["needs"]["gpu"] for s in json.loads(r.stdout)["ranked"]}
+    for s in doc["pruned"] + doc["ranked"]:  # pruned with a twin that does not fit: it would not have either
+        if s["offload"] == "nvme" and "already does not fit" in (s["pruned"] or "x"):
+            assert disk_need[s["name"]] > cut, s
+        elif s["offload"] == "nvme" and s["pruned"] is None:
+            assert disk_need[s["name"]] <= cut, s
 
 
 def test_host_memory_per_node_prunes_the_offloaded_setups(tune, answer):
@@ -170,6 +193,25 @@ def _question(**overrides) -> Question:
     fields = dict(model="tiny", gpus=2, precision="fp32", seq_len=32, implementations=("ddp",), offloads=("none",),
                   micro_batches=(1, 2, 3), checkpointing=(False,), global_batch_tokens=None, device="cpu")  # fmt: skip
     return Question(**{**fields, **overrides})
+
+
+def test_deepspeeds_prefetch_maps_onto_the_blocks_it_fills_and_the_engines_default_is_its_own_setup():
+    """DeepSpeed's 50M prefetch elements fill one of gpt-70b's blocks (805M elements each), the reference engine's
+    default prefetch: the stand-in is zero3's own setup, no option, traced once for both (a first version named
+    ``prefetch 1`` and traced every such setup twice). 500M still fills one block there, all of tiny's two; 0 is
+    none. A user's ``--option prefetch`` is zero3's, not DeepSpeed's."""
+    from zbench.plan.trace.plan import make_case
+    from zbench.tune.deepspeed_estimate import prefetch_blocks, stand_in
+
+    def ds(model: str, **options: object):
+        return make_case(model, "deepspeed", 3, "none", gpus=64, precision="bf16", micro_batch=1, seq_len=32,
+                         device="cpu", checkpointing=False, options=options)  # fmt: skip
+
+    q = _question(model="gpt-70b", gpus=64, implementations=("zero3", "deepspeed"), options={"prefetch": 2})
+    assert stand_in(q, ds("gpt-70b")).options == {}
+    assert stand_in(q, ds("gpt-70b", prefetch_size=0)).options == {"prefetch": 0}
+    assert [prefetch_blocks(ds(m, prefetch_size=500_000_000)) for m in ("gpt-70b", "tiny")] == [1, 2]
+    assert prefetch_blocks(ds("tiny", prefetch_size=1)) == 1
 
 
 def test_a_global_batch_sets_each_micro_batchs_accumulation_or_leaves_it_out():

@@ -69,6 +69,12 @@ def prefetch_blocks(case: Case) -> int:
     return min(len(blocks), -(-size // max(blocks)))
 
 
+def mapped_option(case: Case) -> tuple[str, float]:
+    """The stand-in's option that holds ``case``'s DeepSpeed bucket (stages 1-2) or prefetch (stage 3), and its
+    value."""
+    return ("bucket_mb", bucket_mb(case)) if case.stage in BUCKETED_STAGES else ("prefetch", prefetch_blocks(case))
+
+
 def overlap_buffer_bytes(case: Case) -> int:
     """The second bucket buffer DeepSpeed allocates at stages 1-2 with ``overlap_comm`` on (``setup_buckets``)."""
     if case.stage not in BUCKETED_STAGES or not case.options.get("overlap_comm", False):
@@ -121,11 +127,13 @@ def stand_in(q: Question, case: Case) -> Case:
     """The reference engine's setup a DeepSpeed ``case`` is read off: the same axes and the question's options
     (not DeepSpeed's), at stages 1-2 with ``bucket_mb`` holding DeepSpeed's bucket, at stage 3 with the ``prefetch``
     its ``prefetch_size`` fills."""
-    options = taken_options(stand_in_name(case.stage), q.options)
-    if case.stage in BUCKETED_STAGES:
-        options["bucket_mb"] = bucket_mb(case)
+    name = stand_in_name(case.stage)
+    options = taken_options(name, q.options)
+    option, value = mapped_option(case)
+    if value == next(t.values[0] for t in registry.resolve(name).capabilities.tunables if t.option == option):
+        options.pop(option, None)  # the stand-in's default: the same setup (and trace) as the engine's own
     else:
-        options["prefetch"] = prefetch_blocks(case)
+        options[option] = value
     s = make_case(
         q.model, stand_in_name(case.stage), case.stage, case.offload, gpus=q.gpus, precision=q.precision,
         micro_batch=case.micro_batch, seq_len=q.seq_len, device=q.device, checkpointing=case.activation_checkpointing,
@@ -150,8 +158,8 @@ def estimate(
 
 def _estimated(case: Case, c: Candidate, cluster: Cluster, limits: Limits) -> Candidate:
     ds = Candidate(case)
-    mapped = "bucket_mb" if case.stage in BUCKETED_STAGES else "prefetch"
-    ds.estimated_from = f"{c.case.implementation}, {mapped} {c.case.options[mapped]:g}"
+    option, value = mapped_option(case)
+    ds.estimated_from = f"{c.case.implementation}, {option} {value:g}"
     if c.traced is None or c.needs is None:
         traced = "could not be traced" if c.traced is not None else "was not traced"
         ds.pruned = f"estimated from {c.name}, which {traced}: {c.pruned}"

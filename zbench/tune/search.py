@@ -213,7 +213,7 @@ def search(
     smallest first: a setup that does not fit the GPU at one micro-batch will not at a larger one (activations
     only grow), so its larger micro-batches are pruned untraced, naming the one that did not fit (compared only
     between micro-batches that both accumulate gradients, or both do not: ``_siblings``). An NVMe setup is traced
-    only where its host twin does not fit (``host_twin``).
+    only where host memory or disk, not the GPU, ruled out its host twin (``host_twin``).
     """
     candidates = [Candidate(case) for case in cases]
     by = f" at least (model states alone: the ZeRO formulas' less {FORMULA_SLACK:.0%}; not traced)"
@@ -247,7 +247,7 @@ def search(
                     _judge(c, t, cluster, limits)
 
         trace_and_judge([c for c in batch if c.case.offload != "nvme"])
-        trace_and_judge([c for c in batch if c.case.offload == "nvme" and not _host_twin_fits(c, candidates)])
+        trace_and_judge([c for c in batch if c.case.offload == "nvme" and not _host_twin_decides(c, candidates)])
         for c in batch:
             if c.pruned and c.pruned.startswith("GPU"):
                 too_big.setdefault(_siblings(c.case), mb)
@@ -265,13 +265,18 @@ def host_twin(case: Case) -> Case:
     return case.model_copy(update={"offload": "optimizer+params" if case.stage == 3 else "optimizer"})
 
 
-def _host_twin_fits(c: Candidate, candidates: list[Candidate]) -> bool:
-    """Whether ``c``, an NVMe setup, is pruned untraced because its host twin (among ``candidates``, judged) fits."""
+def _host_twin_decides(c: Candidate, candidates: list[Candidate]) -> bool:
+    """Whether ``c``, an NVMe setup, is pruned untraced by its host twin (among ``candidates``, judged): the twin
+    fits, or it does not fit the GPU, which ``c`` needs no less of. Where host memory (or disk) pruned the twin,
+    ``c`` is traced."""
     key = setup_key(host_twin(c.case))
     twin = next((o for o in candidates if o.needs is not None and setup_key(o.case) == key), None)
-    if twin is None or twin.pruned is not None:
+    if twin is None or (twin.pruned is not None and not twin.pruned.startswith("GPU")):
         return False
-    c.pruned = f"not traced: its host twin ({twin.name}) fits, needs no more GPU and offloads faster"
+    if twin.pruned is None:
+        c.pruned = f"not traced: its host twin ({twin.name}) fits, needs no more GPU and offloads faster"
+    else:
+        c.pruned = f"GPU: its host twin ({twin.name}) already does not fit, and it needs no less (not traced)"
     c.overshoot = float("inf")
     return True
 
