@@ -71,7 +71,7 @@ OptionOpt = Annotated[
         metavar="KEY=VALUE",
         help="With --trace: an implementation option, as a suite's `options:` (repeatable; VALUE is read as "
         "YAML), given to each traced implementation that reads it (one line when none does); e.g. "
-        "nvme_chunk_mb=256 for the reference ZeRO engine's NVMe sub-groups.",
+        "nvme_chunk_mb=16 for smaller NVMe sub-groups of the reference ZeRO engine (default 64 MiB).",
     ),
 ]
 TraceDeviceOpt = Annotated[

@@ -85,8 +85,8 @@ TuneOptionOpt = Annotated[
         "--option",
         metavar="KEY=VALUE",
         help="An implementation option, as a suite's `options:` (repeatable; VALUE read as YAML), given to every "
-        "searched implementation that takes it; e.g. nvme_chunk_mb=256 for the reference engine's NVMe sub-groups "
-        "at 70B (its 1 MiB default takes minutes per trace there). An option given here is not searched.",
+        "searched implementation that takes it; e.g. nvme_chunk_mb=16 for smaller NVMe sub-groups of the "
+        "reference engine (default 64 MiB). An option given here is not searched.",
     ),
 ]
 SearchOptionsOpt = Annotated[
