@@ -449,6 +449,30 @@ def test_parameter_offload_needs_stage_3(impl):
         _build(impl, BASE, offload="optimizer+params")
 
 
+def test_nvme_sub_groups_are_at_most_the_option_and_an_eighth_of_their_group_down_to_1_mib(tmp_path):
+    """The sub-group a group is cut into: the option's size when the group is large, an eighth of the group when
+    that is smaller (so the three buffered sub-groups stay 3/8 of what they stream), never below 1 MiB unless the
+    option itself is; planted: the option alone (one sub-group of the 3M-element group, buffers 3x its state)."""
+    from zbench.implementations.zero.nvme import NvmeMasters
+    from zbench.implementations.zero.swap import SwapDir
+    from zbench.protocol import TrainSpec
+
+    spec = TrainSpec(device=torch.device("cpu"), stage=2, offload="nvme", nvme_dir=str(tmp_path))
+
+    def sizes(chunk_numel: int, *groups: int) -> list[list[int]]:
+        masters = NvmeMasters(spec, swap=SwapDir(tmp_path, rank=0), chunk_numel=chunk_numel)
+        for numel in groups:
+            masters.add(torch.zeros(numel), None, [])
+        return [[s.numel for s in masters._subs if s.group == g] for g in range(len(groups))]
+
+    big, middle, small = sizes(2**20, 10_000_000, 3_000_000, 100_000)
+    assert big == [2**20] * 9 + [10_000_000 - 9 * 2**20]
+    assert middle == [375_000] * 8
+    assert small == [100_000]
+    assert sizes(1_000, 3_000)[0] == [1_000, 1_000, 1_000]  # an option below the floor is the option
+    assert sizes(2**30, 2**20)[0] == [2**18] * 4  # an eighth would be under 1 MiB
+
+
 def test_nvme_chunk_option_is_validated():
     with pytest.raises(ValueError, match="nvme_chunk_mb"):
         _build("zero2", BASE, options={"nvme_chunk_mb": 0})

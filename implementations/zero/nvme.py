@@ -1,7 +1,8 @@
 """ZeRO-Infinity's disk tier: masters and optimizer state streamed from files, and stage 3's parameter shards in one.
 
 ``NvmeMasters`` keeps every group's fp32 master shard and optimizer state (e.g. AdamW's two
-moments) in ``swap`` files and steps them in *sub-groups* of at most ``chunk_numel`` elements:
+moments) in ``swap`` files and steps them in *sub-groups* of at most ``chunk_numel`` elements (and at most an
+eighth of their group, down to 1 MiB: ``NvmeMasters.PIECES``):
 
     read(0)
     for j in sub-groups:  wait read(j); submit read(j+1); step(j); update shard(j); submit write(j)
@@ -93,6 +94,14 @@ class NvmeMasters:
     """Master shards and optimizer state in files, stepped sub-group by sub-group (see the module docstring)."""
 
     SLOTS = 3
+    PIECES = 8
+    """Each group is cut into at least this many sub-groups where they stay at least ``FLOOR`` elements, so that the
+    three buffered sub-groups stay a fraction of the state they stream when a group is smaller than
+    ``chunk_numel`` (``medium``'s untied embeddings at world 2 would otherwise buffer 228 MB for 246 MB of
+    state at the 64 MiB default). Per group, not per shard: a block's sub-groups are the same at any depth,
+    which ``zbench tune``'s extrapolation over blocks relies on."""
+    FLOOR = 2**18
+    """1 MiB of fp32: below it a sub-group's fixed cost (an optimizer call, its I/Os) outweighs its bytes."""
 
     def __init__(self, spec: TrainSpec, *, swap: SwapDir, chunk_numel: int) -> None:
         self.spec = spec
@@ -120,9 +129,10 @@ class NvmeMasters:
         group.master.write(master.detach().to("cpu", torch.float32).contiguous())
         index = len(self._groups)
         self._groups.append(group)
-        for lo in range(0, numel, self.chunk_numel):
+        size = min(self.chunk_numel, max(self.FLOOR, -(-numel // self.PIECES)))
+        for lo in range(0, numel, size):
             param = nn.Parameter(torch.empty(0))
-            hi = min(numel, lo + self.chunk_numel)
+            hi = min(numel, lo + size)
             self._subs.append(_Sub(index, lo, hi, self.spec.make_optimizer([param]), param))
 
     def _buffers(self) -> list[_Slot]:

@@ -36,14 +36,15 @@ class ZeroOptions:
     """fp16: steps without overflow before the scale doubles (GradScaler's default)."""
     nvme_chunk_mb: float = 64.0
     """``offload: nvme``: the optimizer step streams each master shard from disk in sub-groups of this
-    many MiB of fp32 master (DeepSpeed's ``sub_group_size``, counted in bytes). Three sub-groups are
+    many MiB of fp32 master (DeepSpeed's ``sub_group_size``, counted in bytes), or fewer: a flat group
+    is cut into at least eight sub-groups of at least 1 MiB (``NvmeMasters.PIECES``). Three sub-groups are
     resident at a time (one being read ahead, one stepped, one written behind), each with its
     optimizer state, so with AdamW the step holds ``3 * 3 * nvme_chunk_mb`` MiB of host buffers
-    (576 MiB at the default; plus the optimizer's own temporaries, about two sub-groups) however
+    (at most 576 MiB at the default; plus the optimizer's own temporaries, about two sub-groups) however
     large the model. Smaller sub-groups hold less but pay a fixed cost per sub-group (an optimizer
-    call and its I/Os): 0.34 ms each on the 2-core CPU machine, where a 256 MB shard stepped 1.17x
-    slower in 1 MiB sub-groups than in 64 MiB ones (paired, 5 rounds, 2026-11-29), about 11 s a
-    step for gpt-70b's 35 GB shard on 8 ranks at 1 MiB."""
+    call and its I/Os): 0.34-0.45 ms each on the 2-core CPU machine, where a 256 MB shard stepped
+    1.16-1.17x slower in 256 sub-groups of 1 MiB than at this default (paired, 5 rounds each, two
+    runs, 2026-11-29), 11-15 s a step for gpt-70b's 35 GB shard on 8 ranks at 1 MiB."""
 
     def __post_init__(self) -> None:
         if not self.bucket_mb > 0:
