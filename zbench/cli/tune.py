@@ -262,9 +262,9 @@ def _searched(q: Any, profile: Any, limits: Any, *, fresh: bool, whole: bool, op
         def run(cases: list) -> list:
             """``cases`` traced, DeepSpeed's estimated from stand-ins traced in the same rounds."""
             ds = [c for c in cases if c.implementation == DEEPSPEED]
-            rest = traced([c for c in cases if c.implementation != DEEPSPEED] +
-                          [deepspeed_estimate.stand_in(q, c) for c in ds])[: len(cases) - len(ds)]  # fmt: skip
-            return search.ranked(rest + deepspeed_estimate.estimate(q, ds, traced, profile, limits))
+            stand_ins = [deepspeed_estimate.stand_in(q, c) for c in ds]
+            rest = traced([c for c in cases if c.implementation != DEEPSPEED] + stand_ins)[: len(cases) - len(ds)]
+            return search.ranked(rest + deepspeed_estimate.estimate(ds, stand_ins, traced, profile, limits))
 
         ranked = run(found.cases + deepspeed_estimate.first_cases(q, found.cases))
         searched = tunables.declared(q.implementations, q.options) if options else []

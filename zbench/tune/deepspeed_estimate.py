@@ -37,7 +37,7 @@ from zbench.plan.simulate.calibration import overhead_key
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.compute import implementation_seconds
 from zbench.plan.simulate.sweep import serialized
-from zbench.plan.trace.plan import make_case, taken_options
+from zbench.plan.trace.plan import taken_options
 from zbench.run.aggregate import declared_layout
 from zbench.suite.preflight import DEEPSPEED
 from zbench.tune.search import Candidate, Limits, Needs, placed_bytes, prune, setup_key
@@ -114,12 +114,12 @@ def first_cases(q: Question, cases: list[Case]) -> list[Case]:
             continue
         if s.options != taken_options(s.implementation, q.options):  # a variant of the stand-in's own options
             continue
-        case = make_case(
-            q.model, DEEPSPEED, s.stage, s.offload, gpus=q.gpus, precision=q.precision, micro_batch=s.micro_batch,
-            seq_len=q.seq_len, device=q.device, checkpointing=s.activation_checkpointing,
-            options=taken_options(DEEPSPEED, q.options),
+        out.append(
+            q.case(
+                DEEPSPEED, s.stage, s.offload, micro_batch=s.micro_batch, grad_accum=s.grad_accum,
+                checkpointing=s.activation_checkpointing, options=taken_options(DEEPSPEED, q.options),
+            )
         )  # fmt: skip
-        out.append(case.model_copy(update={"grad_accum": s.grad_accum}) if s.grad_accum > 1 else case)
     return out
 
 
@@ -134,24 +134,22 @@ def stand_in(q: Question, case: Case) -> Case:
         options.pop(option, None)  # the stand-in's default: the same setup (and trace) as the engine's own
     else:
         options[option] = value
-    s = make_case(
-        q.model, stand_in_name(case.stage), case.stage, case.offload, gpus=q.gpus, precision=q.precision,
-        micro_batch=case.micro_batch, seq_len=q.seq_len, device=q.device, checkpointing=case.activation_checkpointing,
-        options=options,
+    return q.case(
+        name, case.stage, case.offload, micro_batch=case.micro_batch, grad_accum=case.grad_accum,
+        checkpointing=case.activation_checkpointing, options=options,
     )  # fmt: skip
-    return s.model_copy(update={"grad_accum": case.grad_accum}) if case.grad_accum > 1 else s
 
 
 def estimate(
-    q: Question,
     cases: list[Case],
+    stand_ins: list[Case],
     run: Callable[[list[Case]], list[Candidate]],
     cluster: Cluster,
     limits: Limits,
 ) -> list[Candidate]:
-    """Each DeepSpeed setup of ``cases`` from its stand-in, which ``run`` traces (or finds already traced) and
-    judges: DeepSpeed's needs from its layout, pruned as any setup, predicted as its stand-in."""
-    stand_ins = [stand_in(q, c) for c in cases]
+    """Each DeepSpeed setup of ``cases`` from its stand-in (``stand_in``, one per case), which ``run`` traces (or
+    finds already traced) and judges: DeepSpeed's needs from its layout, pruned as any setup, predicted as its
+    stand-in."""
     found = {setup_key(c.case): c for c in run(stand_ins)} if stand_ins else {}
     return [_estimated(case, found[setup_key(s)], cluster, limits) for case, s in zip(cases, stand_ins, strict=True)]
 

@@ -247,7 +247,8 @@ def search(
                     _judge(c, t, cluster, limits)
 
         trace_and_judge([c for c in batch if c.case.offload != "nvme"])
-        trace_and_judge([c for c in batch if c.case.offload == "nvme" and not _host_twin_decides(c, candidates)])
+        judged = {setup_key(o.case): o for o in candidates if o.needs is not None}
+        trace_and_judge([c for c in batch if c.case.offload == "nvme" and not _host_twin_decides(c, judged)])
         for c in batch:
             if c.pruned and c.pruned.startswith("GPU"):
                 too_big.setdefault(_siblings(c.case), mb)
@@ -259,18 +260,18 @@ def host_twin(case: Case) -> Case:
     state and masters; at stage 3 the parameters too: ``optimizer+params``).
 
     The twin needs no more of the GPU (the disk tier streams through host buffers: gpt-70b on 64 GPUs, ZeRO-3, took
-    14.48 GiB against the twin's 14.47, 2026-11-29) and its offload moves the same bytes at host-memory speed
-    instead of the disk's: wherever the twin fits, the NVMe setup is no faster and no leaner on the GPU. ZeRO-Infinity
-    is for where host memory cannot hold the twin's states."""
+    14.48 GiB against the twin's 14.47 with 1 MiB sub-groups, 2026-11-29; the CPU stand-in counts those buffers in
+    the GPU peak, up to 576 MiB at the 64 MiB default, so there the NVMe setup reads more) and its offload moves
+    the same bytes at host-memory speed instead of the disk's: wherever the twin fits, the NVMe setup is no faster
+    and no leaner on the GPU. ZeRO-Infinity is for where host memory cannot hold the twin's states."""
     return case.model_copy(update={"offload": "optimizer+params" if case.stage == 3 else "optimizer"})
 
 
-def _host_twin_decides(c: Candidate, candidates: list[Candidate]) -> bool:
-    """Whether ``c``, an NVMe setup, is pruned untraced by its host twin (among ``candidates``, judged): the twin
-    fits, or it does not fit the GPU, which ``c`` needs no less of. Where host memory (or disk) pruned the twin,
-    ``c`` is traced."""
-    key = setup_key(host_twin(c.case))
-    twin = next((o for o in candidates if o.needs is not None and setup_key(o.case) == key), None)
+def _host_twin_decides(c: Candidate, judged: dict[tuple, Candidate]) -> bool:
+    """Whether ``c``, an NVMe setup, is pruned untraced by its host twin (among the ``judged`` setups, by
+    ``setup_key``): the twin fits, or it does not fit the GPU, which ``c`` needs no less of. Where host memory (or
+    disk) pruned the twin, ``c`` is traced."""
+    twin = judged.get(setup_key(host_twin(c.case)))
     if twin is None or (twin.pruned is not None and not twin.pruned.startswith("GPU")):
         return False
     if twin.pruned is None:

@@ -36,6 +36,25 @@ class Question:
     options: dict[str, object] = field(default_factory=dict)
     """Implementation options every searched setup gets (``--option``)."""
 
+    def case(
+        self,
+        name: str,
+        stage: int,
+        offload: str,
+        *,
+        micro_batch: int,
+        grad_accum: int,
+        checkpointing: bool,
+        options: dict[str, object],
+    ) -> Case:
+        """One setup of this question: implementation ``name`` with the given axes, at the question's model, GPUs,
+        precision, sequence length and device."""
+        case = make_case(
+            self.model, name, stage, offload, gpus=self.gpus, precision=self.precision, micro_batch=micro_batch,
+            seq_len=self.seq_len, device=self.device, checkpointing=checkpointing, options=options,
+        )  # fmt: skip
+        return case.model_copy(update={"grad_accum": grad_accum}) if grad_accum > 1 else case
+
 
 @dataclass
 class Space:
@@ -75,11 +94,10 @@ def search_space(q: Question) -> Space:
             if ga is None:
                 continue
             for ckpt in q.checkpointing:
-                case = make_case(
-                    q.model, name, stage, offload, gpus=q.gpus, precision=q.precision, micro_batch=mb,
-                    seq_len=q.seq_len, device=q.device, checkpointing=ckpt, options=taken_options(name, q.options),
-                )  # fmt: skip
-                space.cases.append(case.model_copy(update={"grad_accum": ga}) if ga > 1 else case)
+                options = taken_options(name, q.options)
+                space.cases.append(
+                    q.case(name, stage, offload, micro_batch=mb, grad_accum=ga, checkpointing=ckpt, options=options)
+                )
     return space
 
 

@@ -106,7 +106,7 @@ def _exit_with_parent() -> None:
 
     Note: a ``zbench tune`` killed (a ``timeout``, a cancelled CI job: SIGTERM or SIGKILL) cannot shut its pool
     down, and its tracing processes went on tracing the setups they held, minutes of both cores at 70B with the
-    NVMe offload's 1 MiB sub-groups, with nobody to hear the answer (seen 2026-11-29: two for 24 minutes)."""
+    NVMe offload's sub-groups (then 1 MiB), with nobody to hear the answer (seen 2026-11-29: two for 24 minutes)."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
