@@ -452,7 +452,7 @@ def test_parameter_offload_needs_stage_3(impl):
 def test_nvme_sub_groups_are_at_most_the_option_and_an_eighth_of_their_group_down_to_1_mib(tmp_path):
     """The sub-group a group is cut into: the option's size when the group is large, an eighth of the group when
     that is smaller (so the three buffered sub-groups stay 3/8 of what they stream), never below 1 MiB unless the
-    option itself is; planted: the option alone (one sub-group of the 3M-element group, buffers 3x its state)."""
+    option itself is; planted: the option alone (the 3M-element group in three sub-groups of 2**20, not eight)."""
     from zbench.implementations.zero.nvme import NvmeMasters
     from zbench.implementations.zero.swap import SwapDir
     from zbench.protocol import TrainSpec

@@ -89,12 +89,12 @@ def search_space(q: Question) -> Space:
                 f"micro-steps of {mb} x {q.seq_len} tokens on {q.gpus} GPUs"
             )
     for name, stage, offload in combinations(names, q.offloads, q.device):
+        options = taken_options(name, q.options)
         for mb in q.micro_batches:
             ga = accum[mb]
             if ga is None:
                 continue
             for ckpt in q.checkpointing:
-                options = taken_options(name, q.options)
                 space.cases.append(
                     q.case(name, stage, offload, micro_batch=mb, grad_accum=ga, checkpointing=ckpt, options=options)
                 )
