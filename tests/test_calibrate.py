@@ -11,7 +11,7 @@ import yaml
 
 from zbench.plan.calibrate.collectives import OPS, ledger_bytes
 from zbench.plan.calibrate.fit import FitError, crossing_bytes, fit_alpha_beta, hops
-from zbench.plan.calibrate.overheads import probed
+from zbench.plan.calibrate.overheads import probe_shapes, probed
 from zbench.plan.simulate.calibration import overhead_key
 from zbench.plan.simulate.cluster import SCHEMA_VERSION, ClusterError, built_in_names, load
 
@@ -238,6 +238,7 @@ def test_calibrate_writes_a_profile_the_simulator_takes(cli, tmp_path):
     sizes = sorted({b.bytes for b in cal.memory_bound})
     assert len(sizes) >= 2 and {b.op for b in cal.memory_bound} == {"copy", "add"}  # working sets from cache to RAM
     assert all(len(o.residuals_us) == 2 for o in cal.overheads.values())
+    assert all(o.measured_us.keys() == probe_shapes().keys() for o in cal.overheads.values())  # the wide one too
     r = cli("plan", "--simulate", str(out), "--model", "tiny", "-i", "ddp", "-o", "none", "--gpus", "2", "--json")
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(r.stdout)["rows"]

@@ -228,19 +228,24 @@ def test_an_implementations_host_work_is_its_residual_over_its_operators():
     """Each probe's measured step less its operators' charge, through the two depths: planted residuals of
     1 ms + 0.5 ms per block come back out, whatever the operators cost; the simulator adds them for the case's
     implementation and stage and nothing for one not measured, never a negative time."""
-    from zbench.plan.calibrate.overheads import fit
+    from zbench.plan.calibrate.overheads import NARROW, fit
     from zbench.plan.simulate.compute import implementation_seconds, op_seconds
 
     cal = _calibration()
     matmul = {"op": "mm", "dtype": "float32", "flops": 2e6, "bytes": 0, "count": 3}
     charged = op_seconds(matmul, cal, on_gpu=False)
     probes = [
-        {"key": "fsdp-s3", "blocks": blocks, "seconds": charged + 1e-3 + 0.5e-3 * blocks, "ops": [matmul]}
+        {"key": "fsdp-s3", "blocks": blocks, "width": NARROW, "seconds": charged + 1e-3 + 0.5e-3 * blocks,
+         "ops": [matmul]}
         for blocks in (2, 6)
-    ] + [{"key": "ddp-s0", "blocks": blocks, "seconds": 0.0, "ops": [matmul]} for blocks in (2, 6)]
-    overheads = fit(probes, cal)
+    ] + [{"key": "ddp-s0", "blocks": blocks, "width": NARROW, "seconds": 0.0, "ops": [matmul]} for blocks in (2, 6)]
+    wide = {"blocks": 2, "width": 512, "seconds": 0.25, "ops": [matmul]}  # the operator model's error is not fitted
+    overheads = fit([*probes, {"key": "fsdp-s3", **wide}, {"key": "ddp-s0", **wide}], cal)  # fmt: skip
     assert overheads["fsdp-s3"].per_step_us == pytest.approx(1000) and overheads["fsdp-s3"].per_block_us == 500
     assert overheads["fsdp-s3"].residuals_us == {"2": pytest.approx(2000), "6": pytest.approx(4000)}
+    assert overheads["fsdp-s3"].measured_us == pytest.approx(  # every probe's step kept, for estimates' differences
+        {"2": (charged + 2e-3) * 1e6, "6": (charged + 4e-3) * 1e6, "2x512": 250_000}
+    )
     with_them = cal.model_copy(update={"overheads": overheads})
     assert implementation_seconds(with_them, "fsdp", 3, 32) == pytest.approx(1e-3 + 32 * 0.5e-3)
     assert implementation_seconds(with_them, "fsdp", 2, 32) == 0.0  # not measured at that stage

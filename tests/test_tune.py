@@ -567,6 +567,39 @@ def test_a_deepspeed_estimate_carries_deepspeeds_calibrated_host_work_not_the_st
     assert host_work_difference(profile, zero1, ds) == 0.0
 
 
+def test_a_deepspeed_estimate_adds_deepspeeds_measured_step_over_the_stand_ins_per_element_too(monkeypatch):
+    """Where the profile kept every probe's measured step (schema 4), a DeepSpeed row adds the difference of the
+    measured steps, operators included, fitted through the probes and taken at the case's model: planted 2 ms per
+    step, 0.5 ms per block and 9 ns per parameter element over zero1's come back at ``small`` and ``medium``, whose
+    elements no probe had. The residuals (which say otherwise) are not read; a fit without the wide probe would
+    miss the element term, 0.37 s of ``medium``'s step."""
+    from zbench.cases.model_source import model_info
+    from zbench.plan.calibrate.overheads import probe_shapes
+    from zbench.plan.simulate import cluster as cluster_module
+    from zbench.plan.simulate.calibration import ImplementationOverhead
+    from zbench.plan.simulate.datasheet import DatasheetRates
+    from zbench.plan.trace.plan import make_case
+    from zbench.tune.deepspeed_estimate import host_work_difference
+
+    def overhead(extra: tuple[float, float, float]) -> ImplementationOverhead:
+        step_s, block_s, element_s = extra
+        measured = {k: (5e-3 + 1e-3 * b + 2e-9 * e + step_s + block_s * b + element_s * e) * 1e6
+                    for k, (b, e) in probe_shapes().items()}  # fmt: skip
+        return ImplementationOverhead(per_step_us=0, per_block_us=0, residuals_us={}, measured_us=measured)
+
+    overheads = {"zero1-s1": overhead((0, 0, 0)), "deepspeed-s1": overhead((2e-3, 0.5e-3, 9e-9))}
+    rates = DatasheetRates(device="cpu", matmul=[], memory_bound=[], op_call_us=1.0, overheads=overheads)
+    profile = cluster_module.load("cpu-2core")
+    monkeypatch.setattr(type(profile), "operator_rates", lambda self: rates)
+    for model in ("small", "medium"):
+        zero1 = make_case(model, "zero1", 1, "none", gpus=2, precision="fp32", micro_batch=1, seq_len=32,
+                          device="cpu", checkpointing=False)  # fmt: skip
+        info = model_info(model)
+        expected = 2e-3 + 0.5e-3 * len(info.block_sizes) + 9e-9 * info.parameters
+        ds = zero1.model_copy(update={"implementation": "deepspeed"})
+        assert host_work_difference(profile, zero1, ds) == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.mark.heavy
 def test_one_set_of_tracing_processes_serves_every_round_in_its_jobs_order():
     """``Tracers`` start their processes at the first round with traces to run and keep them: two rounds are traced

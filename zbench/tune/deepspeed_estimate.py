@@ -16,11 +16,14 @@ stand-in's traced model states. DeepSpeed's options (``TUNABLES``) map onto the 
   bound), none for 0;
 - GPU need: the stand-in's traced peak less its traced model states on the GPU, plus DeepSpeed's;
 - host need: DeepSpeed's host-held states (its CPU offload) for every rank of a node;
-- step time: the stand-in's trace charged with DeepSpeed's serialized phases, with DeepSpeed's own host work in place
-  of the stand-in's where the profile's calibration measured both (``zbench calibrate`` probes DeepSpeed where it is
-  installed: on 2 CPU cores its host work was 1.6-2.8x the reference engine's at stages 1-2 and about 6x at stage
-  3). Not modelled: DeepSpeed all-reduces each gradient bucket at stages 1-2 where the stand-in reduce-scatters it
-  (``DeepSpeed.expected_comm_elements``).
+- step time: the stand-in's trace charged with DeepSpeed's serialized phases, plus what DeepSpeed's step costs over
+  the stand-in's where the profile's calibration timed both (``zbench calibrate`` probes DeepSpeed where it is
+  installed): the difference of their measured probe steps, its operators and host work together, fitted per step,
+  per block and per parameter element (``host_work_difference``). The operators count: DeepSpeed's copies into and
+  out of its buckets are not in the stand-in's trace, and they grow with the bytes (on 2 CPU cores, 2026-11-29, its
+  stage-1 step was 3 ms over the reference engine's on a 35k-element probe and 35-115 ms on a 6.5M-element one;
+  without this tune predicted it 7-13% too fast). Not modelled: DeepSpeed all-reduces each gradient bucket at stages 1-2 where the
+  stand-in reduce-scatters it (``DeepSpeed.expected_comm_elements``); on gloo both are the same all-reduce.
 
 Every such setup is labelled "estimated from" its stand-in wherever it is shown.
 """
@@ -29,10 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from zbench.cases import registry
 from zbench.cases.case import Case
 from zbench.cases.model_source import model_info
 from zbench.implementations.deepspeed_zero import BUCKET_ELEMENTS, PREFETCH_ELEMENTS
+from zbench.plan.calibrate.overheads import probe_shapes
 from zbench.plan.simulate.calibration import overhead_key
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.compute import implementation_seconds
@@ -178,13 +184,24 @@ def _estimated(case: Case, c: Candidate, cluster: Cluster, limits: Limits) -> Ca
 
 
 def host_work_difference(cluster: Cluster, stand_in: Case, case: Case) -> float:
-    """Seconds per step DeepSpeed's calibrated host work exceeds the stand-in's (``zbench.plan.calibrate.overheads``),
-    or 0 where the profile did not measure both (a datasheet profile, a calibration without DeepSpeed)."""
+    """Seconds per step DeepSpeed costs over the stand-in (``zbench.plan.calibrate.overheads``): where the profile
+    timed both on every probe, their measured steps' difference at each probe fitted as ``per_step + per_block x
+    blocks + per_element x elements`` through the probes and taken at ``case``'s model; in a profile that kept no
+    probe steps (before schema 4), the difference of their fitted host work alone; 0 where the profile did not
+    measure both (a datasheet profile, a calibration without DeepSpeed)."""
     rates = cluster.operator_rates()
     keys = (overhead_key(DEEPSPEED, case.stage), overhead_key(stand_in.implementation, stand_in.stage))
     if rates is None or not all(k in rates.overheads for k in keys):
         return 0.0
-    blocks = len(model_info(case.model).block_sizes)
+    info = model_info(case.model)
+    blocks, elements = len(info.block_sizes), info.parameters
+    deepspeed, reference = (rates.overheads[k] for k in keys)
+    shapes = probe_shapes()
+    if all(set(o.measured_us) >= set(shapes) for o in (deepspeed, reference)):
+        probes = np.array([[1.0, b, e] for b, e in shapes.values()])
+        over = np.array([deepspeed.measured_us[k] - reference.measured_us[k] for k in shapes]) * 1e-6
+        per_step, per_block, per_element = np.linalg.solve(probes, over)
+        return float(per_step + per_block * blocks + per_element * elements)
     return implementation_seconds(rates, DEEPSPEED, case.stage, blocks) - implementation_seconds(
         rates, stand_in.implementation, stand_in.stage, blocks
     )

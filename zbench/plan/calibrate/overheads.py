@@ -10,6 +10,14 @@ Each implementation trains a narrow GPT (width 32, two heads, vocabulary 128, 32
 negligible) at world 1 in a rank's environment, at two depths. Its residual, the measured step less what its
 own operators are charged (the same ledger the trace keeps, at the calibration's costs), is fitted as
 ``per_step + per_block x blocks``; the simulator adds it to a traced case of the same implementation and stage.
+A third, wide probe (width 512, two blocks) is timed too, and every probe's measured step kept: where one
+implementation is estimated from another's trace (DeepSpeed from the reference engine's,
+``zbench.tune.deepspeed_estimate``) the difference of their measured steps is what the estimate adds, operators
+and host work together, and some of it grows with the bytes rather than the modules (on 2 CPU cores DeepSpeed's
+stage-1 step was 3 ms over the reference engine's at width 32 and 35-115 ms at width 512, six runs, 2026-11-29,
+where ``small`` and ``medium`` had been predicted 7-13% too fast). The wide
+probe's residual is not fitted: at that width it is mostly the operator model's own error, common to every
+implementation.
 The probe model is none of the cases a validation predicts: nothing is fitted to them. At world 1 no collective
 crosses a link, so what this measures is the host's own work; the links are the collective curves' business.
 On a GPU this is not measured (the host's work there overlaps the device's, and the probe would time the
@@ -21,6 +29,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -34,14 +43,20 @@ from zbench.plan.trace.ops import OpLedger
 from zbench.presets import GPTConfig
 from zbench.protocol import TrainSpec
 
-DEPTHS = (2, 6)
-WIDTH, HEADS, VOCAB, TOKENS, BATCH = 32, 2, 128, 32, 4
+#: The probes as (blocks, width, heads): two narrow depths, whose residuals are fitted, and one wide probe, timed
+#: for the measured differences between implementations (head dimension 64, as the presets').
+PROBES = ((2, 32, 2), (6, 32, 2), (2, 512, 8))
+NARROW = PROBES[0][1]
+#: Seconds each wide probe repeats its step for (at least three steps): at 0.3 s, three steps of 120-240 ms,
+#: DeepSpeed's difference from the reference engine there read 57, 115 and 61 ms in three runs (2026-11-29).
+WIDE_BUDGET_S = 1.2
+VOCAB, TOKENS, BATCH = 128, 32, 4
 
 
-def _one(implementation: str, stage: int, blocks: int, timer: Timer) -> dict[str, Any]:
+def _one(implementation: str, stage: int, blocks: int, width: int, heads: int, timer: Timer) -> dict[str, Any]:
     """Build, warm and time one probe; its measured median step and the operators of one step."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(layers=blocks, d_model=WIDTH, heads=HEADS, vocab=VOCAB, seq=TOKENS))
+    model = GPT(GPTConfig(layers=blocks, d_model=width, heads=heads, vocab=VOCAB, seq=TOKENS))
     spec = TrainSpec(device=torch.device("cpu"), stage=stage, lr=1e-4, options=_probe_options(implementation, model))
     engine = registry.resolve(implementation).build(model, spec, dist.group.WORLD)
     tokens = torch.randint(0, VOCAB, (BATCH, TOKENS + 1))
@@ -55,7 +70,8 @@ def _one(implementation: str, stage: int, blocks: int, timer: Timer) -> dict[str
             engine.step(batch)
             ops = [e for entries in ledger.take().values() for e in entries]
         seconds = timer.median_s(lambda: engine.step(batch))
-        return {"key": overhead_key(implementation, stage), "blocks": blocks, "seconds": seconds, "ops": ops}
+        return {"key": overhead_key(implementation, stage), "blocks": blocks, "width": width, "seconds": seconds,
+                "ops": ops}  # fmt: skip
     finally:
         engine.close()
 
@@ -86,22 +102,28 @@ def probed() -> list[tuple[str, int]]:
 
 
 def probe() -> list[dict[str, Any]]:
-    """Every probe at every depth, in a process group of one (run in a rank's environment: ``rank_probes``)."""
+    """Every implementation at every probe shape, in a process group of one (run in a rank's environment:
+    ``rank_probes``)."""
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
     try:
-        timer = Timer(torch.device("cpu"), budget_s=0.3)
-        return [_one(impl, stage, blocks, timer) for impl, stage in probed() for blocks in DEPTHS]
+        timers = {width: Timer(torch.device("cpu"), budget_s=0.3 if width == NARROW else WIDE_BUDGET_S)
+                  for _, width, _ in PROBES}  # fmt: skip
+        return [_one(impl, stage, *shape, timers[shape[1]]) for impl, stage in probed() for shape in PROBES]
     finally:
         dist.destroy_process_group()
 
 
 def fit(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, ImplementationOverhead]:
-    """Each implementation's residual at each depth, as ``per_step + per_block x blocks`` through the two."""
+    """Each implementation's residual at the narrow probes, as ``per_step + per_block x blocks`` through the two;
+    every probe's measured step kept beside it."""
     residuals: dict[str, dict[int, float]] = {}
+    measured: dict[str, dict[str, float]] = {}
     for p in probes:
-        charged = sum(op_seconds(e, cal, on_gpu=False) for e in p["ops"])
-        residuals.setdefault(p["key"], {})[p["blocks"]] = p["seconds"] - charged
+        measured.setdefault(p["key"], {})[label(p["blocks"], p["width"])] = p["seconds"] * 1e6
+        if p["width"] == NARROW:
+            charged = sum(op_seconds(e, cal, on_gpu=False) for e in p["ops"])
+            residuals.setdefault(p["key"], {})[p["blocks"]] = p["seconds"] - charged
     out = {}
     for name, by_depth in residuals.items():
         (few, r_few), (many, r_many) = sorted(by_depth.items())
@@ -110,5 +132,21 @@ def fit(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, Implementat
             per_step_us=(r_few - per_block * few) * 1e6,
             per_block_us=per_block * 1e6,
             residuals_us={str(d): r * 1e6 for d, r in sorted(by_depth.items())},
+            measured_us=measured[name],
         )
     return out
+
+
+def label(blocks: int, width: int) -> str:
+    """A probe's key in ``measured_us``: its depth at the narrow width (as ``residuals_us`` keys them), else
+    ``DxW``."""
+    return str(blocks) if width == NARROW else f"{blocks}x{width}"
+
+
+def probe_shapes() -> dict[str, tuple[int, int]]:
+    """Each probe's ``measured_us`` key, and its model's blocks and parameter elements (what ``_one`` builds)."""
+    return {
+        label(blocks, width): (blocks, GPTConfig(layers=blocks, d_model=width, heads=heads, vocab=VOCAB,
+                                                 seq=TOKENS).num_parameters)
+        for blocks, width, heads in PROBES
+    }  # fmt: skip

@@ -68,6 +68,11 @@ class ImplementationOverhead(_Frozen):
     per_step_us: float
     per_block_us: float
     residuals_us: dict[str, float] = Field(description="the measured residual at each probed depth (blocks)")
+    measured_us: dict[str, float] = Field(
+        default_factory=dict,
+        description="each probe's measured median step, by depth at the narrow width and 'DxW' for the wide probe "
+        "(operators and host work together; profiles before schema 4: not kept)",
+    )
 
 
 class Calibration(_Frozen):

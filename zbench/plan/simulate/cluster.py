@@ -10,7 +10,8 @@ loads as it always did). Version 2 adds ``sources`` (where each figure comes fro
 microbenchmark, an assumption, or a measurement) and, in profiles ``zbench calibrate`` writes, ``calibration``
 (the measured tables the figures were derived from, ``zbench.plan.simulate.calibration``). Version 3 adds
 ``operators`` (published operator rates a datasheet profile charges each traced operator from,
-``zbench.plan.simulate.datasheet``).
+``zbench.plan.simulate.datasheet``). Version 4 keeps each implementation probe's measured step beside its
+residual (``ImplementationOverhead.measured_us``), a wide probe's among them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from zbench.plan.simulate.datasheet import DatasheetOperators, DatasheetRates
 BUILT_IN = Path(__file__).with_name("clusters")
 
 #: The newest profile layout this zbench reads and writes (the module docstring says what each adds).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class Link(BaseModel):
