@@ -251,3 +251,32 @@ def test_an_implementations_host_work_is_its_residual_over_its_operators():
     assert implementation_seconds(with_them, "fsdp", 2, 32) == 0.0  # not measured at that stage
     assert implementation_seconds(with_them, "ddp", 0, 32) == 0.0  # over-charged operators: no negative time
     assert implementation_seconds(cal, "fsdp", 3, 32) == 0.0  # an older calibration
+
+
+def test_the_reference_engines_reduce_scatter_is_charged_as_the_all_reduce_it_issues_on_gloo():
+    """On gloo the reference engine reduce-scatters by an in-place all-reduce of the input (gloo's own
+    reduce-scatter clones the input first: 1.6x the time at 16 MiB here), so a profile calibrated over gloo charges
+    its traced reduce-scatters as that all-reduce, at the ledger's bytes for one (twice the buffer). FSDP2's stay
+    gloo's reduce-scatter, and a profile calibrated over NCCL, or a datasheet one, charges the engine's as traced."""
+    from zbench.plan.simulate.cluster import load
+    from zbench.plan.simulate.sweep import as_issued
+    from zbench.plan.trace.plan import make_case
+
+    phases = {
+        "backward": {"reduce_scatter": {"count": 3, "bytes": 300}, "all_reduce": {"count": 1, "bytes": 8}},
+        "after_backward": {"all_gather": {"count": 2, "bytes": 100}},
+    }
+    gloo = load("cpu-2core").model_copy(update={"calibration": _calibration()})
+    nccl = load("cpu-2core").model_copy(update={"calibration": _calibration().model_copy(update={"backend": "nccl"})})
+
+    def case(implementation: str):
+        return make_case("tiny", implementation, 2, "none", gpus=2, precision="fp32", micro_batch=1, seq_len=32,
+                         device="cpu", checkpointing=False)  # fmt: skip
+
+    assert as_issued(phases, case("zero2"), gloo) == {
+        "backward": {"all_reduce": {"count": 4, "bytes": 8 + 2 * 300}},
+        "after_backward": {"all_gather": {"count": 2, "bytes": 100}},
+    }
+    assert as_issued(phases, case("fsdp"), gloo) == phases
+    assert as_issued(phases, case("zero2"), nccl) == phases
+    assert as_issued(phases, case("zero2"), load("h100-sxm")) == phases

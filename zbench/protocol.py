@@ -166,6 +166,10 @@ class Capabilities:
     """True when it splits each parameter by rows across the ranks (DTensor's ``Shard(0)``: FSDP2), so the first
     rank holds ``ModelShape.row_shard_elements`` of every sharded category, up to a row per parameter more than
     ``Ψ / N``; False for a flat, evenly split buffer (ZeRO, FSDP1)."""
+    reduce_scatter_by_all_reduce: frozenset[str] = frozenset()
+    """The backends on which its reduce-scatter is an all-reduce of the whole input in place, its slice then copied
+    out (the reference engine on gloo, whose own reduce-scatter clones the input first: 1.6x the time at 16 MiB on 2
+    CPU cores): the step model charges it there as that all-reduce, not as the backend's reduce-scatter."""
     tunables: tuple[Tunable, ...] = ()
     """The options ``zbench tune`` searches for it (``Tunable``); none: it searches only the case's axes."""
     options: frozenset[str] | None = None

@@ -63,6 +63,7 @@ def _capabilities(stage: int) -> Capabilities:
         devices=frozenset({"cpu", "cuda"}),
         optimizers=frozenset({"adamw", "sgd"}),
         keeps_master_weights=True,
+        reduce_scatter_by_all_reduce=frozenset({"gloo"}),  # comm.Comm.reduce_scatter
         tunables=TUNABLES,
         options=frozenset(f.name for f in fields(ZeroOptions)),
     )

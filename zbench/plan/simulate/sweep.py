@@ -82,7 +82,7 @@ def estimate_row(
     info = model_info(case.model)
     tokens = case.micro_batch * case.grad_accum * case.seq_len
     return estimate(
-        row.trace.phases,
+        as_issued(row.trace.phases, case, cluster),
         cluster=cluster,
         world=world,
         flops_per_step=info.flops_per_token(case.seq_len) * tokens,
@@ -94,6 +94,28 @@ def estimate_row(
         phase_compute=phase_compute if phase_compute is not None else operator_compute(row, cluster, world),
         serialized=serialized(case) if serialized_phases is None else serialized_phases,
     )
+
+
+def as_issued(phases: dict[str, dict[str, dict[str, int]]], case: Case, cluster: Cluster) -> dict[str, Any]:
+    """The traced collectives as ``case``'s implementation issues them on the backend the profile was calibrated
+    on: a reduce-scatter it builds from an in-place all-reduce there (``Capabilities.reduce_scatter_by_all_reduce``)
+    becomes that all-reduce, at the ledger's bytes for one (twice the buffer, where a reduce-scatter counts it
+    once). The trace runs on the fake backend, where every implementation issues the collective itself."""
+    caps = case.capabilities
+    backend = cluster.calibration.backend if cluster.calibration else None
+    if caps is None or backend not in caps.reduce_scatter_by_all_reduce:
+        return phases
+    out = {}
+    for phase, ops in phases.items():
+        issued = dict(ops)
+        if (scattered := issued.pop("reduce_scatter", None)) is not None:
+            reduced = issued.get("all_reduce", {"count": 0, "bytes": 0})
+            issued["all_reduce"] = {
+                "count": reduced["count"] + scattered["count"],
+                "bytes": reduced["bytes"] + 2 * scattered["bytes"],
+            }
+        out[phase] = issued
+    return out
 
 
 def serialized(case: Case) -> frozenset[str]:
