@@ -235,8 +235,13 @@ def test_an_implementations_host_work_is_its_residual_over_its_operators():
     matmul = {"op": "mm", "dtype": "float32", "flops": 2e6, "bytes": 0, "count": 3}
     charged = op_seconds(matmul, cal, on_gpu=False)
     probes = [
-        {"key": "fsdp-s3", "blocks": blocks, "width": NARROW, "seconds": charged + 1e-3 + 0.5e-3 * blocks,
-         "ops": [matmul]}
+        {
+            "key": "fsdp-s3",
+            "blocks": blocks,
+            "width": NARROW,
+            "seconds": charged + 1e-3 + 0.5e-3 * blocks,
+            "ops": [matmul],
+        }
         for blocks in (2, 6)
     ] + [{"key": "ddp-s0", "blocks": blocks, "width": NARROW, "seconds": 0.0, "ops": [matmul]} for blocks in (2, 6)]
     wide = {"blocks": 2, "width": 512, "seconds": 0.25, "ops": [matmul]}  # the operator model's error is not fitted

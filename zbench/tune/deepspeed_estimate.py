@@ -22,8 +22,9 @@ stand-in's traced model states. DeepSpeed's options (``TUNABLES``) map onto the 
   per block and per parameter element (``host_work_difference``). The operators count: DeepSpeed's copies into and
   out of its buckets are not in the stand-in's trace, and they grow with the bytes (on 2 CPU cores, 2026-11-29, its
   stage-1 step was 3 ms over the reference engine's on a 35k-element probe and 35-115 ms on a 6.5M-element one;
-  without this tune predicted it 7-13% too fast). Not modelled: DeepSpeed all-reduces each gradient bucket at stages 1-2 where the
-  stand-in reduce-scatters it (``DeepSpeed.expected_comm_elements``); on gloo both are the same all-reduce.
+  without this tune predicted it 7-13% too fast). Not modelled on NCCL: DeepSpeed all-reduces each gradient bucket
+  at stages 1-2 where the stand-in reduce-scatters it (``DeepSpeed.expected_comm_elements``); on a gloo profile the
+  stand-in's reduce-scatter is charged as the all-reduce it issues there (``as_issued``), as DeepSpeed's would be.
 
 Every such setup is labelled "estimated from" its stand-in wherever it is shown.
 """

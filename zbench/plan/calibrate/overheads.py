@@ -29,7 +29,6 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 

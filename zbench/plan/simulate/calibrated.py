@@ -25,6 +25,7 @@ from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.compute import case_phase_seconds
 from zbench.plan.simulate.run_file import Prediction
 from zbench.plan.simulate.step import StepEstimate, estimate
+from zbench.plan.simulate.sweep import as_issued
 from zbench.plan.trace.plan import TracedRow
 from zbench.results.record import CaseRecord
 
@@ -71,8 +72,8 @@ def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> StepEstimat
     tokens = case.micro_batch * case.grad_accum * case.seq_len
     params = model_info(case.model).parameters
     return estimate(
-        row.trace.phases, cluster=cluster, world=world, flops_per_step=0.0, params=params, stage=case.stage,
-        offload=case.offload, checkpointing=case.activation_checkpointing, tokens_per_step=tokens,
+        as_issued(row.trace.phases, case, cluster), cluster=cluster, world=world, flops_per_step=0.0, params=params,
+        stage=case.stage, offload=case.offload, checkpointing=case.activation_checkpointing, tokens_per_step=tokens,
         phase_compute=compute,
     )  # fmt: skip
 
