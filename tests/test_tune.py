@@ -570,9 +570,10 @@ def test_a_deepspeed_estimate_carries_deepspeeds_calibrated_host_work_not_the_st
 def test_a_deepspeed_estimate_adds_deepspeeds_measured_step_over_the_stand_ins_per_element_too(monkeypatch):
     """Where the profile kept every probe's measured step (schema 4), a DeepSpeed row adds the difference of the
     measured steps, operators included, fitted through the probes and taken at the case's model: planted 2 ms per
-    step, 0.5 ms per block and 9 ns per parameter element over zero1's come back at ``small`` and ``medium``, whose
-    elements no probe had. The residuals (which say otherwise) are not read; a fit without the wide probe would
-    miss the element term, 0.37 s of ``medium``'s step."""
+    step, 0.5 ms per block and 9 ns per parameter element (of a rank's shard: the probes run at world 1) over
+    zero1's come back at ``small`` and ``medium``, whose elements no probe had. The residuals (which say otherwise)
+    are not read; a fit without the wide probe would miss the element term, 0.18 s of ``medium``'s step at 2
+    ranks."""
     from zbench.cases.model_source import model_info
     from zbench.plan.calibrate.overheads import probe_shapes
     from zbench.plan.simulate import cluster as cluster_module
@@ -595,7 +596,7 @@ def test_a_deepspeed_estimate_adds_deepspeeds_measured_step_over_the_stand_ins_p
         zero1 = make_case(model, "zero1", 1, "none", gpus=2, precision="fp32", micro_batch=1, seq_len=32,
                           device="cpu", checkpointing=False)  # fmt: skip
         info = model_info(model)
-        expected = 2e-3 + 0.5e-3 * len(info.block_sizes) + 9e-9 * info.parameters
+        expected = 2e-3 + 0.5e-3 * len(info.block_sizes) + 9e-9 * info.parameters / 2  # on a rank's shard of 2
         ds = zero1.model_copy(update={"implementation": "deepspeed"})
         assert host_work_difference(profile, zero1, ds) == pytest.approx(expected, rel=1e-6)
 

@@ -96,19 +96,6 @@ class Comm:
             return DONE
         return handle
 
-    def reduce_scatter_upcast(self, out: torch.Tensor, inp: torch.Tensor, *, chunk_numel: int = 2**20) -> None:
-        """``reduce_scatter`` in ``out.dtype`` of an ``inp`` held in another dtype, one column chunk at a time.
-
-        Note: viewing ``inp`` as ``[world, S]``, columns ``[c0, c1)`` of every row are exactly the
-        pieces that reduce to ``out[c0:c1]``, so the up-cast copy never exceeds ``world * chunk_numel``.
-        """
-        rows = inp.view(self.world, -1)
-        for c0 in range(0, out.numel(), chunk_numel):
-            c1 = min(out.numel(), c0 + chunk_numel)
-            chunk = torch.empty((self.world, c1 - c0), dtype=out.dtype, device=out.device)
-            chunk.copy_(rows[:, c0:c1])
-            self.reduce_scatter(out[c0:c1], chunk.view(-1))
-
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False) -> Handle:
         """Every rank's ``inp`` concatenated in rank order into ``out``; ``inp`` may be this rank's slice of ``out``.
 

@@ -19,12 +19,13 @@ stand-in's traced model states. DeepSpeed's options (``TUNABLES``) map onto the 
 - step time: the stand-in's trace charged with DeepSpeed's serialized phases, plus what DeepSpeed's step costs over
   the stand-in's where the profile's calibration timed both (``zbench calibrate`` probes DeepSpeed where it is
   installed): the difference of their measured probe steps, its operators and host work together, fitted per step,
-  per block and per parameter element (``host_work_difference``). The operators count: DeepSpeed's copies into and
-  out of its buckets are not in the stand-in's trace, and they grow with the bytes (on 2 CPU cores, 2026-11-29, its
-  stage-1 step was 3 ms over the reference engine's on a 35k-element probe and 35-115 ms on a 6.5M-element one;
-  without this tune predicted it 7-13% too fast). Not modelled on NCCL: DeepSpeed all-reduces each gradient bucket
-  at stages 1-2 where the stand-in reduce-scatters it (``DeepSpeed.expected_comm_elements``); on a gloo profile the
-  stand-in's reduce-scatter is charged as the all-reduce it issues there (``as_issued``), as DeepSpeed's would be.
+  per block and per parameter element of a rank's shard (``host_work_difference``). The operators count:
+  DeepSpeed's copies into and out of its buckets are not in the stand-in's trace, and they grow with the bytes (on
+  2 CPU cores, 2026-11-29, its stage-1 step was 3 ms over the reference engine's on a 35k-element probe and 35-115
+  ms on a 6.5M-element one; without this tune predicted it 7-13% too fast). Not modelled on NCCL: DeepSpeed
+  all-reduces each gradient bucket at stages 1-2 where the stand-in reduce-scatters it
+  (``DeepSpeed.expected_comm_elements``); on a gloo profile the stand-in's reduce-scatter is charged as the
+  all-reduce it issues there (``as_issued``), as DeepSpeed's would be.
 
 Every such setup is labelled "estimated from" its stand-in wherever it is shown.
 """
@@ -189,7 +190,12 @@ def host_work_difference(cluster: Cluster, stand_in: Case, case: Case) -> float:
     timed both on every probe, their measured steps' difference at each probe fitted as ``per_step + per_block x
     blocks + per_element x elements`` through the probes and taken at ``case``'s model; in a profile that kept no
     probe steps (before schema 4), the difference of their fitted host work alone; 0 where the profile did not
-    measure both (a datasheet profile, a calibration without DeepSpeed)."""
+    measure both (a datasheet profile, a calibration without DeepSpeed).
+
+    The element term is charged on a rank's shard (Ψ / N): the probes run at world 1, where shard and model are one,
+    and the wide probe at world 2 (gloo, 2 CPU cores, 2026-11-29, a script not in the project) measured DeepSpeed
+    46 ms over zero1 at stage 1 and 27 ms over zero2 at stage 2 where world 1 measured 82 and 35 ms: most of the
+    work is on the rank's fp32 partition (all of it would halve the difference, none would keep it)."""
     rates = cluster.operator_rates()
     keys = (overhead_key(DEEPSPEED, case.stage), overhead_key(stand_in.implementation, stand_in.stage))
     if rates is None or not all(k in rates.overheads for k in keys):
@@ -202,7 +208,7 @@ def host_work_difference(cluster: Cluster, stand_in: Case, case: Case) -> float:
         probes = np.array([[1.0, b, e] for b, e in shapes.values()])
         over = np.array([deepspeed.measured_us[k] - reference.measured_us[k] for k in shapes]) * 1e-6
         per_step, per_block, per_element = np.linalg.solve(probes, over)
-        return float(per_step + per_block * blocks + per_element * elements)
+        return float(per_step + per_block * blocks + per_element * elements / case.world_size)
     return implementation_seconds(rates, DEEPSPEED, case.stage, blocks) - implementation_seconds(
         rates, stand_in.implementation, stand_in.stage, blocks
     )
