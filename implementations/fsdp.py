@@ -158,6 +158,7 @@ class FSDP:
         offload_keeps_master=False,
         parameters_sharded_from_stage=2,
         shards_parameters_by_rows=True,
+        collectives_block_on=frozenset({"gloo"}),  # no async_op: its overlap is CUDA streams (module docstring)
         options=frozenset({"prefetch"}),
     )
 

@@ -126,6 +126,7 @@ class FSDP1(ImplementationBase):
         offload_keeps_master=False,
         offload_devices=frozenset({"cuda"}),
         parameters_sharded_from_stage=2,
+        collectives_block_on=frozenset({"gloo"}),  # no async_op anywhere: its overlap is CUDA streams
         tunables=(
             Tunable(
                 "backward_prefetch", ("pre", "post"), stages=frozenset({3}), serialized_at=("post", "none"),

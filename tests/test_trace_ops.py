@@ -285,3 +285,38 @@ def test_the_reference_engines_reduce_scatter_is_charged_as_the_all_reduce_it_is
     assert as_issued(phases, case("fsdp"), gloo) == phases
     assert as_issued(phases, case("zero2"), nccl) == phases
     assert as_issued(phases, case("zero2"), load("h100-sxm")) == phases
+
+
+def test_collectives_an_implementation_waits_for_on_the_profiles_backend_hide_behind_nothing():
+    """A CPU profile measures how much of an asynchronous all-reduce hides behind compute (``overlap``). DDP and
+    the reference engine issue theirs asynchronously and get it; FSDP1 and FSDP2 call theirs without ``async_op``
+    (their overlap is CUDA streams), so on gloo every one is charged in full, forward and backward, whatever their
+    options; on NCCL, or a datasheet profile, only their options' serialized phases are."""
+    from zbench.plan.simulate.cluster import load
+    from zbench.plan.simulate.step import estimate
+    from zbench.plan.simulate.sweep import serialized
+    from zbench.plan.trace.plan import make_case
+
+    gloo = load("cpu-2core").model_copy(update={"calibration": _calibration(), "overlap": 0.5})
+    nccl = gloo.model_copy(update={"calibration": _calibration().model_copy(update={"backend": "nccl"})})
+
+    def case(implementation: str, stage: int, **options: object):
+        return make_case("tiny", implementation, stage, "none", gpus=2, precision="fp32", micro_batch=1,
+                         seq_len=32, device="cpu", checkpointing=False, options=options)  # fmt: skip
+
+    both = {"forward", "backward"}
+    assert serialized(case("fsdp1", 3), gloo) == both and serialized(case("fsdp", 3), gloo) == both
+    assert serialized(case("fsdp1", 0), gloo) == both  # NO_SHARD's all-reduce, which no option serializes
+    assert serialized(case("fsdp1", 3), nccl) == frozenset() and serialized(case("fsdp1", 3)) == frozenset()
+    assert serialized(case("fsdp1", 3, backward_prefetch="post"), nccl) == {"backward"}
+    assert serialized(case("ddp", 0), gloo) == frozenset() and serialized(case("zero2", 2), gloo) == frozenset()
+    assert serialized(case("zero3", 3, prefetch=0), gloo) == both  # its own option still counts
+
+    phases = {"backward": {"all_reduce": {"count": 4, "bytes": 4_000_000}}}
+    kw = dict(cluster=gloo, world=2, flops_per_step=0.0, params=1, stage=0, offload="none", checkpointing=False,
+              tokens_per_step=1, phase_compute={"forward": 0.5, "backward": 1.0})  # fmt: skip
+    comm = estimate(phases, **kw).comm_s
+    hidden = estimate(phases, **kw, serialized=serialized(case("ddp", 0), gloo))
+    waited = estimate(phases, **kw, serialized=serialized(case("fsdp1", 0), gloo))
+    assert hidden.exposed_comm_s == pytest.approx(comm / 4)  # all but the last bucket hides
+    assert waited.exposed_comm_s == pytest.approx(comm) and waited.step_s > hidden.step_s

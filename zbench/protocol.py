@@ -170,6 +170,10 @@ class Capabilities:
     """The backends on which its reduce-scatter is an all-reduce of the whole input in place, its slice then copied
     out (the reference engine on gloo, whose own reduce-scatter clones the input first: 1.6x the time at 16 MiB on 2
     CPU cores): the step model charges it there as that all-reduce, not as the backend's reduce-scatter."""
+    collectives_block_on: frozenset[str] = frozenset()
+    """The backends on which it waits for every collective as it issues it (FSDP1 and FSDP2 call them without
+    ``async_op``: on a GPU their overlap is CUDA streams, which a CPU does not have): the step model hides none of
+    its communication there, whatever the profile's ``overlap``."""
     tunables: tuple[Tunable, ...] = ()
     """The options ``zbench tune`` searches for it (``Tunable``); none: it searches only the case's axes."""
     options: frozenset[str] | None = None

@@ -180,7 +180,7 @@ def _estimated(case: Case, c: Candidate, cluster: Cluster, limits: Limits) -> Ca
     )
     prune(ds, limits, by=f" (estimated: {c.case.implementation}'s trace with DeepSpeed's layout)")
     if ds.pruned is None:
-        stand_in_step = c.traced.estimate(cluster, serialized_phases=serialized(case))
+        stand_in_step = c.traced.estimate(cluster, serialized_phases=serialized(case, cluster))
         ds.estimate = stand_in_step.with_host_work(host_work_difference(cluster, c.case, case))
     return ds
 

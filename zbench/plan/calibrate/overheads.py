@@ -10,7 +10,8 @@ Each implementation trains a narrow GPT (width 32, two heads, vocabulary 128, 32
 negligible) at world 1 in a rank's environment, at two depths. Its residual, the measured step less what its
 own operators are charged (the same ledger the trace keeps, at the calibration's costs), is fitted as
 ``per_step + per_block x blocks``; the simulator adds it to a traced case of the same implementation and stage.
-A third, wide probe (width 512, two blocks) is timed too, and every probe's measured step kept: where one
+A third, wide probe (width 512, two blocks) is timed too (twice, keeping the faster), and every probe's measured
+step kept: where one
 implementation is estimated from another's trace (DeepSpeed from the reference engine's,
 ``zbench.tune.deepspeed_estimate``) the difference of their measured steps is what the estimate adds, operators
 and host work together, and some of it grows with the bytes rather than the modules (on 2 CPU cores DeepSpeed's
@@ -46,9 +47,10 @@ from zbench.protocol import TrainSpec
 #: for the measured differences between implementations (head dimension 64, as the presets').
 PROBES = ((2, 32, 2), (6, 32, 2), (2, 512, 8))
 NARROW = PROBES[0][1]
-#: Seconds each wide probe repeats its step for (at least three steps): at 0.3 s, three steps of 120-240 ms,
-#: DeepSpeed's difference from the reference engine there read 57, 115 and 61 ms in three runs (2026-11-29).
-WIDE_BUDGET_S = 1.2
+#: Seconds each wide probe repeats its step for, in each of its two passes (at least three steps): at 0.3 s,
+#: three steps of 120-240 ms, DeepSpeed's difference from the reference engine there read 57, 115 and 61 ms in
+#: three runs (2026-11-29).
+WIDE_BUDGET_S = 0.8
 VOCAB, TOKENS, BATCH = 128, 32, 4
 
 
@@ -102,15 +104,31 @@ def probed() -> list[tuple[str, int]]:
 
 def probe() -> list[dict[str, Any]]:
     """Every implementation at every probe shape, in a process group of one (run in a rank's environment:
-    ``rank_probes``)."""
+    ``rank_probes``). The wide probes run twice, in opposite orders, and each keeps its faster pass
+    (``faster_pass``)."""
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
     try:
-        timers = {width: Timer(torch.device("cpu"), budget_s=0.3 if width == NARROW else WIDE_BUDGET_S)
-                  for _, width, _ in PROBES}  # fmt: skip
-        return [_one(impl, stage, *shape, timers[shape[1]]) for impl, stage in probed() for shape in PROBES]
+        narrow_timer, wide_timer = Timer(torch.device("cpu"), budget_s=0.3), Timer(torch.device("cpu"), WIDE_BUDGET_S)
+        each = probed()
+        *narrow_shapes, wide = PROBES
+        narrow = [_one(impl, stage, *shape, narrow_timer) for impl, stage in each for shape in narrow_shapes]
+        return narrow + faster_pass([_one(impl, stage, *wide, wide_timer) for impl, stage in each + each[::-1]])
     finally:
         dist.destroy_process_group()
+
+
+def faster_pass(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each implementation's faster of its two wide probes. A burst of load from other work only adds time, and
+    what matters is the difference between two implementations' steps (DeepSpeed over its stand-in): one pass
+    ran during a burst and the other not, the faster is the one beside its peers. On 2 CPU cores one calibration
+    read DeepSpeed's stage-1 step 169 ms over the reference engine's where four runs around it read 67-87
+    (2026-11-29: DDP's, probed first, read 1.6 times its usual step in the same pass)."""
+    fastest: dict[str, dict[str, Any]] = {}
+    for p in passes:
+        if p["key"] not in fastest or p["seconds"] < fastest[p["key"]]["seconds"]:
+            fastest[p["key"]] = p
+    return list(fastest.values())
 
 
 def fit(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, ImplementationOverhead]:

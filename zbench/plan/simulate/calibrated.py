@@ -25,7 +25,7 @@ from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.compute import case_phase_seconds
 from zbench.plan.simulate.run_file import Prediction
 from zbench.plan.simulate.step import StepEstimate, estimate
-from zbench.plan.simulate.sweep import as_issued
+from zbench.plan.simulate.sweep import as_issued, serialized
 from zbench.plan.trace.plan import TracedRow
 from zbench.results.record import CaseRecord
 
@@ -74,7 +74,7 @@ def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> StepEstimat
     return estimate(
         as_issued(row.trace.phases, case, cluster), cluster=cluster, world=world, flops_per_step=0.0, params=params,
         stage=case.stage, offload=case.offload, checkpointing=case.activation_checkpointing, tokens_per_step=tokens,
-        phase_compute=compute,
+        phase_compute=compute, serialized=serialized(case, cluster),
     )  # fmt: skip
 
 

@@ -77,7 +77,7 @@ def estimate_row(
 ) -> StepEstimate:
     """One traced case's step at ``world`` ranks; ``phase_compute`` replaces the row's own operators' charge
     (``operator_compute``) where the caller has it another way (``zbench.tune.extrapolate``), ``serialized_phases`` the
-    phases its own options serialize (``serialized(row.case)``)."""
+    phases its own options serialize (``serialized(row.case, cluster)``)."""
     case = row.case
     info = model_info(case.model)
     tokens = case.micro_batch * case.grad_accum * case.seq_len
@@ -92,7 +92,7 @@ def estimate_row(
         checkpointing=case.activation_checkpointing,
         tokens_per_step=tokens,
         phase_compute=phase_compute if phase_compute is not None else operator_compute(row, cluster, world),
-        serialized=serialized(case) if serialized_phases is None else serialized_phases,
+        serialized=serialized(case, cluster) if serialized_phases is None else serialized_phases,
     )
 
 
@@ -118,13 +118,18 @@ def as_issued(phases: dict[str, dict[str, dict[str, int]]], case: Case, cluster:
     return out
 
 
-def serialized(case: Case) -> frozenset[str]:
-    """The phases in which ``case``'s options make its implementation wait for each collective as it issues it
+def serialized(case: Case, cluster: Cluster | None = None) -> frozenset[str]:
+    """The phases in which ``case``'s implementation waits for each collective as it issues it: every phase on the
+    backend ``cluster`` was calibrated on where it calls its collectives without ``async_op``
+    (``Capabilities.collectives_block_on``: FSDP1 and FSDP2 on gloo), else those its options serialize
     (``Tunable.serialized_at``: a ZeRO-3 prefetch of 0, both; FSDP1 without backward prefetch, backward; DeepSpeed
     without ``overlap_comm``, backward). An option not given is at its default (``Tunable.values[0]``)."""
     caps = case.capabilities
     if caps is None:
         return frozenset()
+    backend = cluster.calibration.backend if cluster is not None and cluster.calibration else None
+    if backend in caps.collectives_block_on:
+        return frozenset({"forward", "backward"})
     return frozenset().union(
         *(
             t.serialized_phases
