@@ -20,12 +20,11 @@ import os
 
 from pydantic import computed_field
 
-from zbench.cases.model_source import model_info
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.compute import case_phase_seconds
 from zbench.plan.simulate.run_file import Prediction
-from zbench.plan.simulate.step import StepEstimate, estimate
-from zbench.plan.simulate.sweep import as_issued, serialized
+from zbench.plan.simulate.step import StepEstimate
+from zbench.plan.simulate.sweep import estimate_row
 from zbench.plan.trace.plan import TracedRow
 from zbench.results.record import CaseRecord
 
@@ -60,7 +59,8 @@ def cpu_share(world: int, cores: int, threads_per_rank: int, thread_speedup: flo
 
 
 def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> StepEstimate:
-    """One traced case's step time at its own world size on ``cluster`` (calibrated)."""
+    """One traced case's step time at its own world size on ``cluster`` (calibrated), its compute scaled by a CPU
+    rank's share of the cores (``cpu_share``)."""
     cal = cluster.calibration
     if cal is None:
         raise ValueError(f"profile {cluster.name} is not calibrated: no operator costs to charge")
@@ -69,13 +69,7 @@ def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> StepEstimat
     if cal.device == "cpu":
         share = cpu_share(world, cores, cal.threads_per_rank, cal.thread_speedup)
         compute = {phase: seconds / share for phase, seconds in compute.items()}
-    tokens = case.micro_batch * case.grad_accum * case.seq_len
-    params = model_info(case.model).parameters
-    return estimate(
-        as_issued(row.trace.phases, case, cluster), cluster=cluster, world=world, flops_per_step=0.0, params=params,
-        stage=case.stage, offload=case.offload, checkpointing=case.activation_checkpointing, tokens_per_step=tokens,
-        phase_compute=compute, serialized=serialized(case, cluster),
-    )  # fmt: skip
+    return estimate_row(row, cluster, world, compute)
 
 
 def predict_calibrated(
