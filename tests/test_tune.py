@@ -543,7 +543,7 @@ def test_a_deepspeed_estimate_carries_deepspeeds_calibrated_host_work_not_the_st
     from zbench.plan.simulate.datasheet import DatasheetRates
     from zbench.plan.simulate.step import StepEstimate
     from zbench.plan.trace.plan import make_case
-    from zbench.tune.deepspeed_estimate import host_work_difference
+    from zbench.tune.deepspeed_estimate import measured_step_difference
 
     def overhead(step_us: float, block_us: float) -> ImplementationOverhead:
         return ImplementationOverhead(per_step_us=step_us, per_block_us=block_us, residuals_us={})
@@ -556,7 +556,7 @@ def test_a_deepspeed_estimate_carries_deepspeeds_calibrated_host_work_not_the_st
     rates = DatasheetRates(device="cpu", matmul=[], memory_bound=[], op_call_us=1.0, overheads=overheads)
     monkeypatch.setattr(type(profile), "operator_rates", lambda self: rates)
     blocks = 2  # tiny's blocks
-    assert host_work_difference(profile, zero1, ds) == pytest.approx((3000 + 1000 * blocks) * 1e-6)
+    assert measured_step_difference(profile, zero1, ds) == pytest.approx((3000 + 1000 * blocks) * 1e-6)
     base = StepEstimate(world=2, compute_s=0.1, comm_s=0.02, exposed_comm_s=0.02, offload_s=0.0, step_s=0.12,
                         tokens_per_s_per_gpu=1000.0, mfu=0.3, comm_to_compute=0.2, compute_model="operators",
                         hides_gathers=True, phase_comm_s={})  # fmt: skip
@@ -564,7 +564,7 @@ def test_a_deepspeed_estimate_carries_deepspeeds_calibrated_host_work_not_the_st
     assert slower.step_s == pytest.approx(0.15) and slower.tokens_per_s_per_gpu == pytest.approx(800.0)
     assert slower.mfu == pytest.approx(0.24) and slower.exposed_comm_s == base.exposed_comm_s
     del rates.overheads["deepspeed-s1"]  # DeepSpeed not calibrated (not installed where calibrate ran)
-    assert host_work_difference(profile, zero1, ds) == 0.0
+    assert measured_step_difference(profile, zero1, ds) == 0.0
 
 
 def test_a_deepspeed_estimate_adds_deepspeeds_measured_step_over_the_stand_ins_per_element_too(monkeypatch):
@@ -580,7 +580,7 @@ def test_a_deepspeed_estimate_adds_deepspeeds_measured_step_over_the_stand_ins_p
     from zbench.plan.simulate.calibration import ImplementationOverhead
     from zbench.plan.simulate.datasheet import DatasheetRates
     from zbench.plan.trace.plan import make_case
-    from zbench.tune.deepspeed_estimate import host_work_difference
+    from zbench.tune.deepspeed_estimate import measured_step_difference
 
     def overhead(extra: tuple[float, float, float]) -> ImplementationOverhead:
         step_s, block_s, element_s = extra
@@ -598,7 +598,7 @@ def test_a_deepspeed_estimate_adds_deepspeeds_measured_step_over_the_stand_ins_p
         info = model_info(model)
         expected = 2e-3 + 0.5e-3 * len(info.block_sizes) + 9e-9 * info.parameters / 2  # on a rank's shard of 2
         ds = zero1.model_copy(update={"implementation": "deepspeed"})
-        assert host_work_difference(profile, zero1, ds) == pytest.approx(expected, rel=1e-6)
+        assert measured_step_difference(profile, zero1, ds) == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.heavy

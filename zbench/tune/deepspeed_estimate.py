@@ -19,7 +19,7 @@ stand-in's traced model states. DeepSpeed's options (``TUNABLES``) map onto the 
 - step time: the stand-in's trace charged with DeepSpeed's serialized phases, plus what DeepSpeed's step costs over
   the stand-in's where the profile's calibration timed both (``zbench calibrate`` probes DeepSpeed where it is
   installed): the difference of their measured probe steps, its operators and host work together, fitted per step,
-  per block and per parameter element of a rank's shard (``host_work_difference``). The operators count:
+  per block and per parameter element of a rank's shard (``measured_step_difference``). The operators count:
   DeepSpeed's copies into and out of its buckets are not in the stand-in's trace, and they grow with the bytes (on
   2 CPU cores, 2026-11-29, its stage-1 step was 3 ms over the reference engine's on a 35k-element probe and 35-115
   ms on a 6.5M-element one; without this tune predicted it 7-13% too fast). Not modelled on NCCL: DeepSpeed
@@ -34,13 +34,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
-
 from zbench.cases import registry
 from zbench.cases.case import Case
 from zbench.cases.model_source import model_info
 from zbench.implementations.deepspeed_zero import BUCKET_ELEMENTS, PREFETCH_ELEMENTS
-from zbench.plan.calibrate.overheads import probe_shapes
+from zbench.plan.calibrate.overheads import step_difference
 from zbench.plan.simulate.calibration import overhead_key
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.simulate.compute import implementation_seconds
@@ -181,11 +179,11 @@ def _estimated(case: Case, c: Candidate, cluster: Cluster, limits: Limits) -> Ca
     prune(ds, limits, by=f" (estimated: {c.case.implementation}'s trace with DeepSpeed's layout)")
     if ds.pruned is None:
         stand_in_step = c.traced.estimate(cluster, serialized_phases=serialized(case, cluster))
-        ds.estimate = stand_in_step.with_host_work(host_work_difference(cluster, c.case, case))
+        ds.estimate = stand_in_step.with_host_work(measured_step_difference(cluster, c.case, case))
     return ds
 
 
-def host_work_difference(cluster: Cluster, stand_in: Case, case: Case) -> float:
+def measured_step_difference(cluster: Cluster, stand_in: Case, case: Case) -> float:
     """Seconds per step DeepSpeed costs over the stand-in (``zbench.plan.calibrate.overheads``): where the profile
     timed both on every probe, their measured steps' difference at each probe fitted as ``per_step + per_block x
     blocks + per_element x elements`` through the probes and taken at ``case``'s model; in a profile that kept no
@@ -203,12 +201,9 @@ def host_work_difference(cluster: Cluster, stand_in: Case, case: Case) -> float:
     info = model_info(case.model)
     blocks, elements = len(info.block_sizes), info.parameters
     deepspeed, reference = (rates.overheads[k] for k in keys)
-    shapes = probe_shapes()
-    if all(set(o.measured_us) >= set(shapes) for o in (deepspeed, reference)):
-        probes = np.array([[1.0, b, e] for b, e in shapes.values()])
-        over = np.array([deepspeed.measured_us[k] - reference.measured_us[k] for k in shapes]) * 1e-6
-        per_step, per_block, per_element = np.linalg.solve(probes, over)
-        return float(per_step + per_block * blocks + per_element * elements / case.world_size)
+    if (fit := step_difference(deepspeed, reference)) is not None:
+        per_step, per_block, per_element = fit
+        return per_step + per_block * blocks + per_element * elements / case.world_size
     return implementation_seconds(rates, DEEPSPEED, case.stage, blocks) - implementation_seconds(
         rates, stand_in.implementation, stand_in.stage, blocks
     )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -152,6 +153,19 @@ def fit(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, Implementat
             measured_us=measured[name],
         )
     return out
+
+
+def step_difference(mine: ImplementationOverhead, other: ImplementationOverhead) -> tuple[float, float, float] | None:
+    """``mine``'s measured probe steps over ``other``'s as seconds per step, per block and per parameter element,
+    solved exactly through the probes (three probes, three terms); ``None`` where either kept no step for some
+    probe (a profile from before schema 4)."""
+    shapes = probe_shapes()
+    if not all(set(o.measured_us) >= set(shapes) for o in (mine, other)):
+        return None
+    probes = np.array([[1.0, blocks, elements] for blocks, elements in shapes.values()])
+    over = np.array([mine.measured_us[k] - other.measured_us[k] for k in shapes]) * 1e-6
+    per_step, per_block, per_element = np.linalg.solve(probes, over)
+    return float(per_step), float(per_block), float(per_element)
 
 
 def label(blocks: int, width: int) -> str:
