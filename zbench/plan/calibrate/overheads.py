@@ -11,8 +11,7 @@ negligible) at world 1 in a rank's environment, at two depths. Its residual, the
 own operators are charged (the same ledger the trace keeps, at the calibration's costs), is fitted as
 ``per_step + per_block x blocks``; the simulator adds it to a traced case of the same implementation and stage.
 A third, wide probe (width 512, two blocks) is timed too (twice, keeping the faster), and every probe's measured
-step kept: where one
-implementation is estimated from another's trace (DeepSpeed from the reference engine's,
+step kept: where one implementation is estimated from another's trace (DeepSpeed from the reference engine's,
 ``zbench.tune.deepspeed_estimate``) the difference of their measured steps is what the estimate adds, operators
 and host work together, and some of it grows with the bytes rather than the modules (on 2 CPU cores DeepSpeed's
 stage-1 step was 3 ms over the reference engine's at width 32 and 35-115 ms at width 512, six runs, 2026-11-29,
