@@ -78,6 +78,10 @@ class Cluster(BaseModel):
             return self.calibration.device == "cpu"
         return self.gpu.lower().startswith("cpu")
 
+    def backend(self) -> str | None:
+        """The collective backend its links were calibrated over (gloo, nccl); None for a profile measured nowhere."""
+        return self.calibration.backend if self.calibration is not None else None
+
     def operator_rates(self) -> Calibration | DatasheetRates | None:
         """What each traced operator is charged from, as ``compute_model`` says; None for ``efficiency``."""
         model = self.compute_model()

@@ -102,8 +102,7 @@ def as_issued(phases: dict[str, dict[str, dict[str, int]]], case: Case, cluster:
     becomes that all-reduce, at the ledger's bytes for one (twice the buffer, where a reduce-scatter counts it
     once). The trace runs on the fake backend, where every implementation issues the collective itself."""
     caps = case.capabilities
-    backend = cluster.calibration.backend if cluster.calibration else None
-    if caps is None or backend not in caps.reduce_scatter_by_all_reduce:
+    if caps is None or cluster.backend() not in caps.reduce_scatter_by_all_reduce:
         return phases
     out = {}
     for phase, ops in phases.items():
@@ -127,8 +126,7 @@ def serialized(case: Case, cluster: Cluster | None = None) -> frozenset[str]:
     caps = case.capabilities
     if caps is None:
         return frozenset()
-    backend = cluster.calibration.backend if cluster is not None and cluster.calibration else None
-    if backend in caps.collectives_block_on:
+    if cluster is not None and cluster.backend() in caps.collectives_block_on:
         return frozenset({"forward", "backward"})
     return frozenset().union(
         *(
