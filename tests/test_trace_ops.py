@@ -224,6 +224,74 @@ def test_the_ledger_counts_the_large_tensors_an_operator_creates():
     }
 
 
+def test_a_storage_grown_in_place_is_mapped_as_an_allocation_is_and_put_back_after():
+    """FSDP2 frees its unsharded parameters with ``untyped_storage().resize_(0)`` and grows them again for the next
+    all-gather, out of a dispatch mode's sight: the ledger counts each growth of at least the mmap threshold as
+    mapped bytes (by how much it grew), a shrink or a small growth as nothing, on real and fake tensors, and
+    puts ``resize_`` back when it exits, an exception or not."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zbench.measure.memory import CPU_MMAP_THRESHOLD_BYTES
+    from zbench.plan.trace.ops import OpLedger
+
+    n = CPU_MMAP_THRESHOLD_BYTES
+    plain = torch.UntypedStorage.resize_
+    ledger = OpLedger()
+    storage = torch.empty(n, dtype=torch.uint8).untyped_storage()
+    with ledger:
+        ledger.start_step()
+        storage.resize_(0)
+        storage.resize_(2 * n)  # freed, then grown: all of it mapped afresh
+        storage.resize_(2 * n + 16)  # a small growth
+        with FakeTensorMode():
+            torch.empty(n, dtype=torch.uint8).untyped_storage().resize_(3 * n)
+    entries = [e for e in ledger.take()["after_backward"] if e["op"] == "resize_"]
+    assert sorted((e["mapped_bytes"], e["bytes"], e["count"]) for e in entries) == [(2 * n, 0, 1), (2 * n, 0, 1)]
+    assert torch.UntypedStorage.resize_ is plain
+    with pytest.raises(RuntimeError), OpLedger():
+        raise RuntimeError("a failing step")
+    assert torch.UntypedStorage.resize_ is plain
+    storage.resize_(0)
+
+
+def test_fsdp2_maps_its_unsharded_parameters_afresh_at_each_unshard_and_ddp_never(traced):
+    """FSDP2 at stage 3 gathers every unit in forward and again in backward (reshard after forward), each time into
+    storage it grew back from nothing: forward maps the whole model's parameters (fp32, the units of at least the
+    mmap threshold), DDP, whose parameters stay, maps none."""
+    from zbench.cases.model_source import model_info
+
+    def grown(run: str, phase: str) -> int:
+        return sum(e["mapped_bytes"] * e["count"] for e in traced[run]["ops"].get(phase, []) if e["op"] == "resize_")
+
+    assert grown("fsdp-False", "forward") == pytest.approx(4 * model_info("small").parameters, rel=0.02)
+    assert grown("fsdp-False", "backward") > 0
+    assert grown("ddp-False", "forward") == grown("ddp-False", "backward") == 0
+
+
+def test_a_rank_with_more_threads_does_its_operators_work_faster_not_their_dispatch_or_its_host_work():
+    """Two threads where the calibration had one: the work of each operator at ``share`` 2, its per-call cost
+    and the implementation's host work as calibrated; half a core (four ranks on two): everything twice as long."""
+    from zbench.plan.simulate.calibration import ImplementationOverhead
+    from zbench.plan.simulate.compute import case_phase_seconds
+    from zbench.plan.trace.plan import make_case
+
+    host = ImplementationOverhead(per_step_us=1000, per_block_us=0, residuals_us={})
+    cal = _calibration().model_copy(update={"overheads": {"ddp-s0": host}})
+    add = {"op": "add", "dtype": "float32", "flops": 0, "bytes": 3e6, "count": 5}
+    assert op_seconds(add, cal, on_gpu=False, share=2) == pytest.approx(5 * (3e6 / 10e9 / 2 + 2e-6))
+    assert op_seconds(add, cal, on_gpu=False, share=0.5) == pytest.approx(2 * op_seconds(add, cal, on_gpu=False))
+    case = make_case("small", "ddp", 0, "none", gpus=1, precision="fp32", micro_batch=2, seq_len=64, device="cpu",
+                     checkpointing=False)  # fmt: skip
+    ops = {"after_backward": [add]}
+    assert case_phase_seconds(ops, cal, case, world=1, share=2)["after_backward"] == pytest.approx(
+        5 * (3e6 / 10e9 / 2 + 2e-6) + 1e-3
+    )
+    assert case_phase_seconds(ops, cal, case, world=1, share=0.5)["after_backward"] == pytest.approx(
+        2 * case_phase_seconds(ops, cal, case, world=1)["after_backward"]
+    )
+
+
 def test_an_implementations_host_work_is_its_residual_over_its_operators():
     """Each probe's measured step less its operators' charge, through the two depths: planted residuals of
     1 ms + 0.5 ms per block come back out, whatever the operators cost; the simulator adds them for the case's

@@ -9,9 +9,10 @@ the step time against the measured median, and the predicted ratio to the group'
 measured one (the paired ratio when the run paired, the figure zbench gates on).
 
 On a CPU a rank's share of the cores differs from the calibration's one thread per rank: a world-1 case's
-rank runs ``cores`` threads, and four ranks on two cores share them. Compute is scaled by that share
+rank runs ``cores`` threads, and four ranks on two cores share them. The operators' work is scaled by that share
 (``cpu_share``): by the speed-up the calibration measured on every core, else as if a rate scaled with its
-threads.
+threads; their dispatch and the implementation's host work, Python on one thread, only where a rank has less
+than a core.
 """
 
 from __future__ import annotations
@@ -65,11 +66,8 @@ def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> StepEstimat
     if cal is None:
         raise ValueError(f"profile {cluster.name} is not calibrated: no operator costs to charge")
     case, world = row.case, row.case.world_size
-    compute = case_phase_seconds(row.trace.ops, cal, case, world=world)
-    if cal.device == "cpu":
-        share = cpu_share(world, cores, cal.threads_per_rank, cal.thread_speedup)
-        compute = {phase: seconds / share for phase, seconds in compute.items()}
-    return estimate_row(row, cluster, world, compute)
+    share = cpu_share(world, cores, cal.threads_per_rank, cal.thread_speedup) if cal.device == "cpu" else 1.0
+    return estimate_row(row, cluster, world, case_phase_seconds(row.trace.ops, cal, case, world=world, share=share))
 
 
 def predict_calibrated(

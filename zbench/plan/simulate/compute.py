@@ -98,17 +98,21 @@ def memory_bandwidth(cal: Rates, moved_bytes: float | None = None) -> float:
     return _interpolated(table, math.log(max(moved_bytes, 1.0)))
 
 
-def op_seconds(entry: dict[str, Any], cal: Rates, *, on_gpu: bool, work_scale: float = 1.0) -> float:
+def op_seconds(
+    entry: dict[str, Any], cal: Rates, *, on_gpu: bool, work_scale: float = 1.0, share: float = 1.0
+) -> float:
     """One traced entry (``count`` identical calls) charged as the module docstring says; ``work_scale`` scales
-    the work (FLOPs or bytes) of each call, never its dispatch cost."""
+    the work (FLOPs or bytes) of each call, never its dispatch cost. ``share``: a CPU rank's speed against the
+    calibration's (``zbench.plan.simulate.calibrated.cpu_share``). More threads than calibrated do the work
+    faster but not the dispatch, which is Python and autograd on one thread; less than a core slows both."""
     if entry["flops"] > 0:
         work = entry["flops"] / (attention_rate(cal, entry["op"]) or flop_rate(cal, entry["dtype"], entry["flops"]))
     else:
         work = entry["bytes"] / memory_bandwidth(cal, entry["bytes"])
     if not on_gpu and cal.mapped_gb_s:
         work += entry.get("mapped_bytes", 0) / (cal.mapped_gb_s * 1e9)  # traces before it was recorded: none
-    work *= work_scale
-    call = (cal.op_call_us or 0.0) * 1e-6
+    work *= work_scale / share
+    call = (cal.op_call_us or 0.0) * 1e-6 / min(share, 1.0)
     return entry["count"] * (max(work, call) if on_gpu else work + call)
 
 
@@ -120,6 +124,7 @@ def phase_seconds(
     world: int,
     sharded_step: bool,
     offload: str = "none",
+    share: float = 1.0,
 ) -> dict[str, float]:
     """Seconds of compute per phase of one rank's step at ``world`` ranks.
 
@@ -133,7 +138,7 @@ def phase_seconds(
         if phase == "after_backward" and offload != "none":
             continue
         scale = traced_world / world if phase == "after_backward" and sharded_step else 1.0
-        out[phase] = sum(op_seconds(e, cal, on_gpu=on_gpu, work_scale=scale) for e in entries)
+        out[phase] = sum(op_seconds(e, cal, on_gpu=on_gpu, work_scale=scale, share=share) for e in entries)
     return out
 
 
@@ -146,13 +151,19 @@ def implementation_seconds(cal: Rates, implementation: str, stage: int, blocks: 
     return max(0.0, (overhead.per_step_us + overhead.per_block_us * blocks) * 1e-6)
 
 
-def case_phase_seconds(ops: dict[str, list[dict[str, Any]]], cal: Rates, case: Case, *, world: int) -> dict[str, float]:
-    """``phase_seconds`` of one traced case at ``world`` ranks, its implementation's host work included."""
+def case_phase_seconds(
+    ops: dict[str, list[dict[str, Any]]], cal: Rates, case: Case, *, world: int, share: float = 1.0
+) -> dict[str, float]:
+    """``phase_seconds`` of one traced case at ``world`` ranks, its implementation's host work included: Python
+    on one thread, which a rank's extra threads do not speed up (``share``, as ``op_seconds``). On the 2-core
+    machine's 48 runs of 2026-11-29 (docs/data/validate_simulator_1129.json), dividing it by two threads'
+    speed-up as well had put the step time's median error at 29.5% where this gives 25.7% (first profile)."""
     out = phase_seconds(
-        ops, cal, traced_world=case.world_size, world=world, sharded_step=case.stage >= 1, offload=case.offload
-    )
+        ops, cal, traced_world=case.world_size, world=world, sharded_step=case.stage >= 1, offload=case.offload,
+        share=share,
+    )  # fmt: skip
     blocks = len(model_info(case.model).block_sizes)
     out["after_backward"] = out.get("after_backward", 0.0) + implementation_seconds(
         cal, case.implementation, case.stage, blocks
-    )
+    ) / min(share, 1.0)
     return out

@@ -7,8 +7,10 @@ operator that computes or moves memory: its name, dtype, input shapes, FLOPs (to
 ``torch.utils.flop_counter``), bytes read and written, bytes of the tensors it created that a CPU rank maps
 fresh from the system (each at least ``CPU_MMAP_THRESHOLD_BYTES``: ``zbench.measure.memory``), and how often it
 ran. Views, small empty tensors and collectives (the communication ledger's) are left out; a large empty tensor
-is kept for its mapped bytes (its pages are faulted in by whatever writes it first). Identical calls are kept
-once with a count, so a 70B model's 80 identical layers cost 1 entry each, not 80.
+is kept for its mapped bytes (its pages are faulted in by whatever writes it first), and so is a storage grown
+in place (``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2 frees its unsharded parameters that way
+after each use and grows them again for the next all-gather, so every unshard maps the unsharded bytes afresh).
+Identical calls are kept once with a count, so a 70B model's 80 identical layers cost 1 entry each, not 80.
 
 Phases follow the tracer's markers (``zbench.plan.trace.tracer.mark_phases``): what runs before a forward's
 end is ``forward``, before a backward's end ``backward`` (recomputation under activation checkpointing
@@ -80,6 +82,24 @@ class OpLedger(TorchDispatchMode):
         self._recording = False
         self._segments: list[tuple[Counter[_Key], str | None]] = []
         self._current: Counter[_Key] = Counter()
+
+    def __enter__(self) -> OpLedger:
+        self._plain_resize = torch.UntypedStorage.resize_
+        ledger, plain = self, self._plain_resize
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+            grown = size - storage.nbytes()
+            out = plain(storage, size)
+            if ledger._recording and grown >= CPU_MMAP_THRESHOLD_BYTES:
+                ledger._current[("resize_", "uint8", ((size,),), 0, 0, grown)] += 1
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._plain_resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def start_step(self) -> None:
         self._recording, self._segments, self._current = True, [], Counter()
