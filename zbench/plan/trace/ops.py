@@ -8,8 +8,9 @@ operator that computes or moves memory: its name, dtype, input shapes, FLOPs (to
 fresh from the system (each at least ``CPU_MMAP_THRESHOLD_BYTES``: ``zbench.measure.memory``), and how often it
 ran. Views, small empty tensors and collectives (the communication ledger's) are left out; a large empty tensor
 is kept for its mapped bytes (its pages are faulted in by whatever writes it first), and so is a storage grown
-in place (``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2 frees its unsharded parameters that way
-after each use and grows them again for the next all-gather, so every unshard maps the unsharded bytes afresh).
+in place (``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2 and the reference engine's stage 3 free
+their gathered parameters that way after each use and grow them again for the next all-gather, so every gather
+maps its bytes afresh).
 Identical calls are kept once with a count, so a 70B model's 80 identical layers cost 1 entry each, not 80.
 
 Phases follow the tracer's markers (``zbench.plan.trace.tracer.mark_phases``): what runs before a forward's
