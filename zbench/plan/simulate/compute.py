@@ -98,6 +98,12 @@ def memory_bandwidth(cal: Rates, moved_bytes: float | None = None) -> float:
     return _interpolated(table, math.log(max(moved_bytes, 1.0)))
 
 
+def host_share(share: float) -> float:
+    """The share of a CPU rank's speed that its host work (operator dispatch, the implementation's Python) gets:
+    extra threads do not speed up one thread's Python, less than a core slows it as it slows everything."""
+    return min(share, 1.0)
+
+
 def op_seconds(
     entry: dict[str, Any], cal: Rates, *, on_gpu: bool, work_scale: float = 1.0, share: float = 1.0
 ) -> float:
@@ -112,7 +118,7 @@ def op_seconds(
     if not on_gpu and cal.mapped_gb_s:
         work += entry.get("mapped_bytes", 0) / (cal.mapped_gb_s * 1e9)  # traces before it was recorded: none
     work *= work_scale / share
-    call = (cal.op_call_us or 0.0) * 1e-6 / min(share, 1.0)
+    call = (cal.op_call_us or 0.0) * 1e-6 / host_share(share)
     return entry["count"] * (max(work, call) if on_gpu else work + call)
 
 
@@ -165,5 +171,5 @@ def case_phase_seconds(
     blocks = len(model_info(case.model).block_sizes)
     out["after_backward"] = out.get("after_backward", 0.0) + implementation_seconds(
         cal, case.implementation, case.stage, blocks
-    ) / min(share, 1.0)
+    ) / host_share(share)
     return out

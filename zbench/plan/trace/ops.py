@@ -91,8 +91,7 @@ class OpLedger(TorchDispatchMode):
         def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
             grown = size - storage.nbytes()
             out = plain(storage, size)
-            if ledger._recording and grown >= CPU_MMAP_THRESHOLD_BYTES:
-                ledger._current[("resize_", "uint8", ((size,),), 0, 0, grown)] += 1
+            ledger._record_mapped("resize_", "uint8", (size,), grown)
             return out
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
@@ -133,7 +132,7 @@ class OpLedger(TorchDispatchMode):
             if func._opname not in FREE:
                 self._record(func, args, kwargs, out)
             elif func._opname in ALLOCATING and isinstance(out, torch.Tensor):
-                self._record_allocation(func._opname, out)
+                self._record_mapped(func._opname, _dtype_name(out), tuple(out.shape), _nbytes(out))
         return out
 
     def _record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
@@ -150,10 +149,11 @@ class OpLedger(TorchDispatchMode):
         name = str(func._overloadpacket).removeprefix("aten.")
         self._current[(name, dtype, shapes, flops, read + written, mapped)] += 1
 
-    def _record_allocation(self, name: str, out: torch.Tensor) -> None:
-        """A fresh empty tensor: nothing moved, but a large one is mapped on a CPU rank."""
-        if (size := _nbytes(out)) >= CPU_MMAP_THRESHOLD_BYTES:
-            self._current[(name, _dtype_name(out), (tuple(out.shape),), 0, 0, size)] += 1
+    def _record_mapped(self, name: str, dtype: str, shape: tuple[int, ...], size: int) -> None:
+        """Fresh memory and nothing moved (a large empty tensor, a storage grown in place): ``size`` bytes a CPU rank
+        maps, kept only from the mmap threshold up."""
+        if self._recording and size >= CPU_MMAP_THRESHOLD_BYTES:
+            self._current[(name, dtype, (shape,), 0, 0, size)] += 1
 
 
 def _moved_bytes(
