@@ -46,6 +46,53 @@ def test_variants_move_one_declared_option_at_a_time_and_never_a_fixed_one():
     assert [v.options for v in variants(case("ddp", 0), {})] == [{"bucket_mb": 5.0}, {"bucket_mb": 100.0}]
     assert variants(case("zero3", 3, prefetch=1), {"prefetch": 1}) == []  # the user's --option stands
     assert variants(case("fsdp", 3), {}) == []  # declares none (its prefetch: see the FSDP2 test below)
+    nvme = case("zero2", 2).model_copy(update={"offload": "nvme"})  # the sub-group size: with NVMe offload only
+    assert [v.options for v in variants(nvme, {})][3:] == [{"nvme_chunk_mb": 16.0}, {"nvme_chunk_mb": 4.0}]
+
+
+NVME_SUB_GROUPS = """
+import json, torch
+from zbench.cases.formulas import placement_for
+from zbench.plan.trace.plan import TracedRow, make_case
+from zbench.plan.trace.shims import fake_world
+from zbench.plan.trace.tracer import trace_case
+from zbench.tune.search import needs_of
+out = {}
+with fake_world(2):
+    for chunk in (64.0, 0.0625):
+        case = make_case("small", "zero2", 2, "nvme", gpus=2, precision="fp32", micro_batch=2, seq_len=64,
+                         device="cpu", checkpointing=False, options={"nvme_chunk_mb": chunk})
+        trace = trace_case(case, fake=True, device=torch.device("cpu"))
+        assert trace.error is None, trace.error
+        needs = needs_of(TracedRow(case, trace, placement_for(case)), gpus_per_node=2)
+        calls = sum(e["count"] for e in trace.ops["after_backward"])
+        out[chunk] = {"buffers": trace.buffers, "calls": calls, "gpu": needs.gpu, "host": needs.host_per_node,
+                      "peak": trace.peak["device"]["bytes"]}
+print(json.dumps(out))
+"""
+
+
+def test_smaller_nvme_sub_groups_buffer_less_on_the_host_and_cost_an_optimizer_call_each():
+    """The NVMe sub-group size, traced from the real engine at `small` on two ranks: at 64 MiB each flat group is
+    cut into eighths of at least 1 MiB, at 1/16 MiB into 64 KiB pieces. The three buffered sub-groups (fp32 master
+    and AdamW's two moments each) are host memory, counted in the node's need and taken out of the CPU stand-in's
+    device peak, which counts them: the GPU need is the same at both sizes. Each sub-group is one more optimizer
+    call on the host, which the step model charges (``phase_seconds`` with offload: a call's cost each)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, child_env
+
+    result = subprocess.run([sys.executable, "-c", NVME_SUB_GROUPS], env=child_env(PYTHONWARNINGS="ignore"),
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    big, small = json.loads(result.stdout).values()
+    assert big["buffers"] == {"host": 3 * 3 * 2**18 * 4}  # 1 MiB (the floor): the model's groups are small
+    assert small["buffers"] == {"host": 3 * 3 * 2**14 * 4}
+    assert big["peak"] - small["peak"] == pytest.approx(big["buffers"]["host"] - small["buffers"]["host"], rel=0.01)
+    assert small["gpu"] == pytest.approx(big["gpu"], rel=1e-3)
+    assert big["host"] - small["host"] == 2 * (big["buffers"]["host"] - small["buffers"]["host"])  # two ranks a node
+    assert small["calls"] > 4 * big["calls"]  # each charged one call's cost (test_trace_ops, by hand)
 
 
 def test_the_option_search_keeps_what_is_faster_or_leaner_and_counts_the_rest(with_options):
@@ -169,9 +216,9 @@ def test_of_two_variants_the_model_cannot_tell_apart_the_one_nearer_the_default_
 
 
 def test_the_nearest_gpu_misses_are_searched_too_and_a_variant_that_fits_is_kept():
-    """Planted: of five zero3 setups that do not fit, the three traced ones nearest the GPU's limit get their
-    options searched (not one pruned by host memory, nor one pruned untraced by the formulas); a prefetch-0 variant
-    that fits is kept (rescued), one that still does not is dropped."""
+    """Planted: of six zero3 setups that do not fit, the three traced ones nearest the GPU's limit get their
+    options searched, and the traced one that missed host memory (not one pruned untraced by the formulas); a
+    prefetch-0 variant that fits is kept (rescued), one that still does not is dropped."""
     from zbench.plan.simulate.step import StepEstimate
     from zbench.plan.trace.plan import make_case
     from zbench.tune.options import NEAR_MISSES, search_options, seeds
@@ -200,7 +247,7 @@ def test_the_nearest_gpu_misses_are_searched_too_and_a_variant_that_fits_is_kept
         missed(case(8), 0.9),
     ]
     near = [c for c in seeds(ranked) if c.pruned is not None]
-    assert NEAR_MISSES == 3 and [c.overshoot for c in near] == [0.05, 0.1, 0.3]
+    assert NEAR_MISSES == 3 and [c.overshoot for c in near] == [0.05, 0.1, 0.3, 0.01]
 
     def run(cases):
         out = []

@@ -112,6 +112,9 @@ class Tunable:
     """The values tried, the implementation's default first (what a setup without the option runs)."""
     stages: frozenset[int] = frozenset({0, 1, 2, 3})
     """The stages at which the option changes anything (stage 3's prefetch means nothing at stage 2)."""
+    offloads: frozenset[str] | None = None
+    """The offload modes at which the option changes anything (the NVMe sub-group size means nothing without
+    ``nvme``); ``None``: every mode."""
     serialized_at: tuple[Any, ...] = ()
     """Values at which the implementation waits for its gathers as it issues them, so that no compute hides them (a
     ZeRO-3 prefetch of 0): the step model then charges every collective of ``serialized_phases`` as exposed, its
@@ -122,8 +125,9 @@ class Tunable:
     trades: str = ""
     """What the option trades, in a few words, for ``zbench tune``'s answer."""
 
-    def applies(self, stage: int) -> bool:
-        return stage in self.stages
+    def applies(self, stage: int, offload: str | None = None) -> bool:
+        """Whether the option changes anything at ``stage`` and, when given, at ``offload``."""
+        return stage in self.stages and (offload is None or self.offloads is None or offload in self.offloads)
 
 
 @dataclass(frozen=True)
@@ -294,9 +298,17 @@ class Engine(Protocol):
 
 
 class EngineBase:
-    """Defaults for an engine's optional members: no metrics of its own, nothing to release."""
+    """Defaults for an engine's optional members: no metrics of its own, no buffers beyond its state, nothing to
+    release."""
 
     def metrics(self) -> dict[str, float]:
+        return {}
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes by location (``host``, ``device``) of reusable buffers the engine holds beyond its model state
+        (``state_bytes``), e.g. the staging buffers an NVMe tier streams its state through: ``zbench plan
+        --trace`` records them and ``zbench tune`` counts them in a setup's memory. Optional: an engine without
+        it holds none."""
         return {}
 
     def close(self) -> None:

@@ -41,8 +41,7 @@ from zbench.protocol import Capabilities, Engine, ModelShape, TrainSpec, Tunable
 __all__ = ["ZERO1", "ZERO2", "ZERO3", "ZeRO1Engine", "ZeRO2Engine", "ZeRO3Engine", "ZeroImplementation", "ZeroOptions"]
 
 
-#: What ``zbench tune`` searches for the engines (``ZeroOptions`` says what each does). The NVMe sub-group is not
-#: searched: the step model does not charge an I/O's size yet, so a search could only choose it by memory.
+#: What ``zbench tune`` searches for the engines (``ZeroOptions`` says what each does).
 TUNABLES = (
     Tunable(
         "bucket_mb", (4.0, 1.0, 16.0, 64.0), stages=frozenset({1, 2}),
@@ -51,6 +50,11 @@ TUNABLES = (
     Tunable(
         "prefetch", (1, 0, 2), stages=frozenset({3}), serialized_at=(0,),
         trades="gathers hidden behind compute against gathered blocks held ahead",
+    ),
+    Tunable(
+        "nvme_chunk_mb", (64.0, 16.0, 4.0), offloads=frozenset({"nvme"}),
+        trades="fewer optimizer calls and I/Os per step against three sub-groups' master and optimizer state "
+        "buffered on the host",
     ),
 )  # fmt: skip
 

@@ -141,6 +141,10 @@ class ShardedEngine:
         while inflight:
             inflight.popleft().wait()
 
+    def buffer_bytes(self) -> dict[str, int]:
+        """The NVMe tier's host buffers (``NvmeMasters.buffer_bytes``); none for the other offload modes."""
+        return self.placement.buffer_bytes()
+
     def close(self) -> None:
         """Release what outlives the engine's tensors: with ``nvme``, finish I/O and remove this rank's swap files.
 

@@ -56,6 +56,9 @@ class MasterStore(Protocol):
     def held(self) -> dict[str, Held]:
         """``{"optimizer_state": ..., "master_weights": ...}`` by location."""
 
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes by location of the reusable buffers the step streams state through (none in memory)."""
+
     def close(self) -> None: ...
 
 
@@ -177,6 +180,9 @@ class InMemoryMasters:
         if self.location == "host":
             return {"optimizer_state": Held(host=state), "master_weights": Held(host=separate)}
         return {"optimizer_state": Held(device=state), "master_weights": Held(device=separate)}
+
+    def buffer_bytes(self) -> dict[str, int]:
+        return {}
 
     def close(self) -> None:
         return None

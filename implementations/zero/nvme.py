@@ -294,6 +294,15 @@ class NvmeMasters:
             "master_weights": Held(disk=self.swap.disk_bytes("master_weights")),
         }
 
+    def buffer_bytes(self) -> dict[str, int]:
+        """The host buffers of ``SLOTS`` sub-groups (fp32 master and each optimizer-state tensor), held from the
+        first step on: ``zbench tune`` adds them to a rank's host memory, and to the device peak's host part on
+        the CPU stand-in, whose trace cannot tell them from device memory."""
+        if not self._subs:
+            return {}
+        numel = max(s.numel for s in self._subs)
+        return {"host": self.SLOTS * (1 + len(self.keys)) * numel * 4}
+
     def close(self) -> None:
         self._slots = None
 

@@ -44,7 +44,8 @@ class ZeroOptions:
     large the model. Smaller sub-groups hold less but pay a fixed cost per sub-group (an optimizer
     call and its I/Os): 0.34-0.45 ms each on the 2-core CPU machine, where a 256 MB shard stepped
     1.16-1.17x slower in 256 sub-groups of 1 MiB than at this default (paired, 5 rounds each, two
-    runs, 2026-11-29), 11-15 s a step for gpt-70b's 35 GB shard on 8 ranks at 1 MiB."""
+    runs, 2026-11-29), 11-15 s a step for gpt-70b's 35 GB shard on 8 ranks at 1 MiB. ``zbench tune`` searches
+    64, 16 and 4 MiB (``TUNABLES``), the buffers counted as host memory (``NvmeMasters.buffer_bytes``)."""
 
     def __post_init__(self) -> None:
         if not self.bucket_mb > 0:

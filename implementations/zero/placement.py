@@ -92,6 +92,9 @@ class Placement:
         disk = self.swap.disk_bytes("parameters") if self.swap is not None else 0
         return {**held, "parameters": Held(disk=disk)}
 
+    def buffer_bytes(self) -> dict[str, int]:
+        return self.masters.buffer_bytes()
+
     def close(self) -> None:
         self.masters.close()
         if self.swap is not None:

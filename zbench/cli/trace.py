@@ -187,7 +187,7 @@ def _print_trace_table(rows: list[TracedRow], req: TraceRequest, dev: str, seq: 
         err.print(
             Text(
                 "traced on fake CPU tensors: 'GPU' is the compute device; host copies of offloaded state share "
-                "its memory on this stand-in, so the peak shown is the live peak less the host-held state "
+                "its memory on this stand-in, so the peak shown is the live peak less the host-held state and buffers "
                 "(host temporaries still count; docs/methods.md#tracing)"
             )
         )
@@ -216,7 +216,7 @@ def _trace_cells(r: TracedRow, req: TraceRequest) -> list[str]:
         fmt_bytes(peak),
         f"{top} {roles.get(top, 0) / peak:.0%}" if peak else "-",
         fmt_bytes(r.trace.comm_bytes),
-        fmt_bytes(r.located("host") * (req.gpus_per_node or req.gpus)),
+        fmt_bytes(r.host_held() * (req.gpus_per_node or req.gpus)),
         "-" if limit is None else ("yes" if peak <= limit else "NO"),
     ]
 

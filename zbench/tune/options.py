@@ -1,6 +1,6 @@
 """``zbench tune``'s second pass: the options each implementation declares worth searching (``Tunable``: our
-engines' bucket size and prefetch, DDP's bucket size, FSDP1's backward prefetch, DeepSpeed's bucket size), tried
-on the setups that can win and on those that missed the GPU by the least.
+engines' bucket size, prefetch and NVMe sub-group, DDP's bucket size, FSDP1's backward prefetch, DeepSpeed's
+bucket size), tried on the setups that can win and on those that missed the GPU or host memory by the least.
 
 Every option value times every setup of the first pass would multiply its traces by the options' values, so the
 search is local: the top setups and each implementation's best, each with one option at a time moved off its
@@ -22,8 +22,9 @@ from zbench.tune.search import Candidate, best_per_implementation, setup_key
 
 #: How many of the first pass's fastest setups get their options searched, besides each implementation's best.
 SEEDS = 3
-#: How many traced setups that missed the GPU by the least get their options searched too: a leaner option (a
-#: ZeRO-3 prefetch of 0, FSDP1's backward prefetch ``post``) may make one fit.
+#: How many traced setups that missed the GPU by the least, and as many that missed a node's host memory, get their
+#: options searched too: a leaner option (a ZeRO-3 prefetch of 0, FSDP1's backward prefetch ``post``; on the
+#: host, smaller NVMe sub-groups) may make one fit.
 NEAR_MISSES = 3
 
 
@@ -32,7 +33,7 @@ def variants(case: Case, fixed: Mapping[str, object]) -> list[Case]:
     values; none for an option in ``fixed`` (the user's ``--option``)."""
     out = []
     for tunable in registry.resolve(case.implementation).capabilities.tunables:
-        if not tunable.applies(case.stage) or tunable.option in fixed:
+        if not tunable.applies(case.stage, case.offload) or tunable.option in fixed:
             continue
         for value in tunable.values[1:]:
             out.append(case.model_copy(update={"options": {**case.options, tunable.option: value}}))
@@ -41,15 +42,15 @@ def variants(case: Case, fixed: Mapping[str, object]) -> list[Case]:
 
 def seeds(ranked: list[Candidate], count: int = SEEDS, near: int = NEAR_MISSES) -> list[Candidate]:
     """The setups whose options are searched: the ``count`` fastest traced, each implementation's best (DeepSpeed's
-    estimated one too: its options are searched through its stand-in's, ``zbench.tune.deepspeed_estimate``) and
-    the ``near`` traced setups that missed the GPU by the least. An estimate ties its stand-in, so among the
-    fastest and the near misses it would only take a traced setup's place."""
+    estimated one too: its options are searched through its stand-in's, ``zbench.tune.deepspeed_estimate``), the
+    ``near`` traced setups that missed the GPU by the least and the ``near`` that missed a node's host memory by
+    the least. An estimate ties its stand-in, so among the fastest and the near misses it would only take a traced
+    setup's place; a setup pruned by the formulas alone, untraced, has nothing an option could trim."""
     traced = [c for c in ranked if c.estimated_from is None]
     chosen = [c for c in traced if c.pruned is None][:count] + best_per_implementation(ranked)
-    chosen += sorted(
-        (c for c in traced if c.needs is not None and c.pruned is not None and c.pruned.startswith("GPU")),
-        key=lambda c: c.overshoot,
-    )[:near]
+    for limit in ("GPU", "host per node"):
+        missed = (c for c in traced if c.needs is not None and c.pruned is not None and c.pruned.startswith(limit))
+        chosen += sorted(missed, key=lambda c: c.overshoot)[:near]
     return list({id(c): c for c in chosen}.values())
 
 
@@ -61,7 +62,10 @@ def declared(implementations: tuple[str, ...], fixed: Mapping[str, object]) -> l
         for t in caps.tunables:
             if t.option not in fixed and any(t.applies(stage) for stage in caps.stages):
                 values = ", ".join(str(v) for v in t.values)
-                lines.append(f"{name}: option {t.option} searched over {values} (default {t.values[0]}): {t.trades}")
+                where = f" with offload {', '.join(sorted(t.offloads))}" if t.offloads is not None else ""
+                lines.append(
+                    f"{name}: option {t.option} searched over {values} (default {t.values[0]}){where}: {t.trades}"
+                )
     return lines
 
 

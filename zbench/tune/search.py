@@ -85,11 +85,12 @@ class Candidate:
 
 
 def needs_of(row: TracedRow, gpus_per_node: int) -> Needs:
-    """A traced setup's needs: its device peak less the host-held state the CPU stand-in counts in it, as
-    ``zbench plan --trace`` shows it (``TracedRow.host_held_in_peak``)."""
+    """A traced setup's needs: its device peak less the host-held bytes the CPU stand-in counts in it, as
+    ``zbench plan --trace`` shows it (``TracedRow.host_held_in_peak``); on the host, its host-held state and
+    buffers (``TracedRow.host_held``)."""
     return Needs(
         gpu=max(row.peak("device") - row.host_held_in_peak(), 0.0),
-        host_per_node=row.located("host") * gpus_per_node,
+        host_per_node=row.host_held() * gpus_per_node,
         disk_per_node=row.located("disk") * gpus_per_node,
     )
 

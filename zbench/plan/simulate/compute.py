@@ -118,8 +118,13 @@ def op_seconds(
     if not on_gpu and cal.mapped_gb_s:
         work += entry.get("mapped_bytes", 0) / (cal.mapped_gb_s * 1e9)  # traces before it was recorded: none
     work *= work_scale / share
-    call = (cal.op_call_us or 0.0) * 1e-6 / host_share(share)
+    call = call_seconds(cal, share)
     return entry["count"] * (max(work, call) if on_gpu else work + call)
+
+
+def call_seconds(cal: Rates, share: float = 1.0) -> float:
+    """One operator call's host cost (``op_call_us``) on a rank of ``share`` (``host_share``)."""
+    return (cal.op_call_us or 0.0) * 1e-6 / host_share(share)
 
 
 def phase_seconds(
@@ -134,14 +139,17 @@ def phase_seconds(
 ) -> dict[str, float]:
     """Seconds of compute per phase of one rank's step at ``world`` ranks.
 
-    With offload the optimizer step runs on the host, which the offload model charges (host AdamW, PCIe,
-    NVMe; ``zbench.plan.simulate.step.offload_seconds``): its traced operators are left out here, not
-    charged twice (on fake CPU tensors host and device operators cannot be told apart).
+    With offload the optimizer step runs on the host, whose work the offload model charges (host AdamW, PCIe,
+    NVMe; ``zbench.plan.simulate.step.offload_seconds``): its traced operators' work is left out here, not
+    charged twice (on fake CPU tensors host and device operators cannot be told apart), but each of their calls
+    is charged, as one host thread issues them. So the NVMe tier's step, one optimizer call per sub-group
+    (``ZeroOptions.nvme_chunk_mb``), costs more in smaller sub-groups, as it does when run.
     """
     on_gpu = cal.device != "cpu"
     out = {}
     for phase, entries in ops.items():
         if phase == "after_backward" and offload != "none":
+            out[phase] = sum(e["count"] for e in entries) * call_seconds(cal, share)
             continue
         scale = traced_world / world if phase == "after_backward" and sharded_step else 1.0
         out[phase] = sum(op_seconds(e, cal, on_gpu=on_gpu, work_scale=scale, share=share) for e in entries)

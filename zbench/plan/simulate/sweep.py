@@ -134,7 +134,7 @@ def serialized(case: Case, cluster: Cluster | None = None) -> frozenset[str]:
         *(
             t.serialized_phases
             for t in caps.tunables
-            if t.applies(case.stage) and case.options.get(t.option, t.values[0]) in t.serialized_at
+            if t.applies(case.stage, case.offload) and case.options.get(t.option, t.values[0]) in t.serialized_at
         )
     )
 

@@ -99,10 +99,15 @@ class TracedRow:
     def peak(self, where: str = "device") -> int:
         return int(self.trace.peak.get(where, {}).get("bytes", 0))
 
+    def host_held(self) -> float:
+        """Bytes a rank holds on the host: its host-located state and the engine's host buffers (an NVMe tier's
+        staging, ``TraceResult.buffers``)."""
+        return self.located("host") + self.trace.buffers.get("host", 0)
+
     def host_held_in_peak(self) -> float:
-        """Host-held state the device's peak counts: on the CPU stand-in (fake CPU tensors) host copies share the
+        """Host-held bytes the device's peak counts: on the CPU stand-in (fake CPU tensors) host copies share the
         traced device's memory, so its peak includes them; on fake cuda, nothing."""
-        return self.located("host") if self.case.device == "cpu" else 0.0
+        return self.host_held() if self.case.device == "cpu" else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -67,6 +67,8 @@ class TraceResult:
     peak: dict[str, dict[str, Any]] = field(default_factory=dict)
     ops: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """The last step's operators by phase (``zbench.plan.trace.ops``)."""
+    buffers: dict[str, int] = field(default_factory=dict)
+    """Bytes by location of the engine's reusable buffers beyond its model state (``EngineBase.buffer_bytes``)."""
     seconds: float = 0.0
     error: str | None = None
 
@@ -290,6 +292,7 @@ def trace_case(
                 result.ops = ops.take()
                 result.peak = {loc: peak_json(p) for loc, p in live.peaks.items()}
                 result.state_bytes = engine.state_bytes()
+                result.buffers = dict(getattr(engine, "buffer_bytes", dict)())  # an optional member
             finally:
                 engine.close()
         except Exception as exc:  # one implementation that cannot be traced must not stop the others
