@@ -48,6 +48,10 @@ def test_variants_move_one_declared_option_at_a_time_and_never_a_fixed_one():
     assert variants(case("fsdp", 3), {}) == []  # declares none (its prefetch: see the FSDP2 test below)
     nvme = case("zero2", 2).model_copy(update={"offload": "nvme"})  # the sub-group size: with NVMe offload only
     assert [v.options for v in variants(nvme, {})][3:] == [{"nvme_chunk_mb": 16.0}, {"nvme_chunk_mb": 4.0}]
+    # smaller sub-groups save host memory only: tried on a setup that missed it, not on one that fits or missed the GPU
+    assert [v.options for v in variants(nvme, {}, "host per node")][3:] == [{"nvme_chunk_mb": x} for x in (16.0, 4.0)]
+    assert [v.options for v in variants(nvme, {}, "fitting")] == [{"bucket_mb": x} for x in (1.0, 16.0, 64.0)]
+    assert [v.options for v in variants(nvme, {}, "GPU")] == [{"bucket_mb": x} for x in (1.0, 16.0, 64.0)]
 
 
 NVME_SUB_GROUPS = """
@@ -213,6 +217,43 @@ def test_of_two_variants_the_model_cannot_tell_apart_the_one_nearer_the_default_
         assert [c.case.options["bucket_mb"] for c in found.kept] == kept
         assert f"3 variants of 1 setups traced; {len(kept)} kept" in found.summary
         assert ("level with a value kept before it: 1" in found.summary) == (kept == [16])
+
+
+def test_smaller_nvme_sub_groups_are_tried_only_where_host_memory_was_missed_and_kept_where_one_fits():
+    """Planted: three zero3 NVMe setups, one fitting, one over the GPU, one over a node's host memory by 1%. Only
+    the last gets the sub-group sizes tried (on the others they could save nothing that matters: never time, never
+    GPU memory); its 16 MiB variant fits and is kept, the 4 MiB one, level with it, is not listed twice."""
+    from zbench.plan.simulate.step import StepEstimate
+    from zbench.plan.trace.plan import make_case
+    from zbench.tune.options import search_options
+    from zbench.tune.search import Candidate, Needs
+
+    est = StepEstimate(world=2, compute_s=1.0, comm_s=0.0, exposed_comm_s=0.0, offload_s=0.0, step_s=1.0,
+                       tokens_per_s_per_gpu=100.0, mfu=0.5, comm_to_compute=0.0, compute_model="operators",
+                       hides_gathers=True, phase_comm_s={})  # fmt: skip
+
+    def case(mb: int):
+        return make_case("tiny", "zero3", 3, "nvme", gpus=2, precision="fp32", micro_batch=mb, seq_len=32,
+                         device="cpu", checkpointing=False)  # fmt: skip
+
+    needs = Needs(gpu=5.0, host_per_node=100.0, disk_per_node=0.0)
+    ranked = [
+        Candidate(case(1), needs=needs, estimate=est),
+        Candidate(case(4), needs=needs, pruned="GPU: over by 5%", overshoot=0.05),
+        Candidate(case(2), needs=needs, pruned="host per node: over by 1%", overshoot=0.01),
+    ]
+    tried = []
+
+    def run(cases):
+        tried.extend((c.micro_batch, c.options) for c in cases)
+        return [Candidate(c, needs=needs, estimate=est) if c.micro_batch == 2 and "nvme_chunk_mb" in c.options
+                else Candidate(c, needs=needs, pruned="GPU: over by 9%", overshoot=0.09) for c in cases]  # fmt: skip
+
+    found = search_options(ranked, {}, run)
+    chunks = [(mb, o["nvme_chunk_mb"]) for mb, o in tried if "nvme_chunk_mb" in o]
+    assert chunks == [(2, 16.0), (2, 4.0)]
+    assert {mb for mb, o in tried if "prefetch" in o} == {1, 2, 4}  # the other option: on every seed
+    assert [(c.case.micro_batch, c.case.options) for c in found.kept] == [(2, {"nvme_chunk_mb": 16.0})]
 
 
 def test_the_nearest_gpu_misses_are_searched_too_and_a_variant_that_fits_is_kept():

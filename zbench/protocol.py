@@ -124,6 +124,10 @@ class Tunable:
     FSDP1's backward prefetch."""
     trades: str = ""
     """What the option trades, in a few words, for ``zbench tune``'s answer."""
+    searched_on: frozenset[str] = frozenset({"fitting", "GPU", "host per node"})
+    """The setups ``zbench tune`` tries it on: those that fit (the fastest, each implementation's best), and those
+    that missed a limit by the least (``GPU``, ``host per node``). An option that can only save host memory, never
+    time nor GPU memory (smaller NVMe sub-groups), is tried on the host's near misses alone."""
 
     def applies(self, stage: int, offload: str | None = None) -> bool:
         """Whether the option changes anything at ``stage`` and, when given, at ``offload``."""

@@ -52,7 +52,7 @@ TUNABLES = (
         trades="gathers hidden behind compute against gathered blocks held ahead",
     ),
     Tunable(
-        "nvme_chunk_mb", (64.0, 16.0, 4.0), offloads=frozenset({"nvme"}),
+        "nvme_chunk_mb", (64.0, 16.0, 4.0), offloads=frozenset({"nvme"}), searched_on=frozenset({"host per node"}),
         trades="fewer optimizer calls and I/Os per step against three sub-groups' master and optimizer state "
         "buffered on the host",
     ),

@@ -28,12 +28,15 @@ SEEDS = 3
 NEAR_MISSES = 3
 
 
-def variants(case: Case, fixed: Mapping[str, object]) -> list[Case]:
-    """``case`` with each declared option that applies at its stage set, one at a time, to each of its other
-    values; none for an option in ``fixed`` (the user's ``--option``)."""
+def variants(case: Case, fixed: Mapping[str, object], seed: str | None = None) -> list[Case]:
+    """``case`` with each declared option that applies at its stage and offload set, one at a time, to each of its
+    other values; none for an option in ``fixed`` (the user's ``--option``); where ``seed`` says what kind of seed
+    ``case`` is (``seed_kind``), only the options searched on it (``Tunable.searched_on``)."""
     out = []
     for tunable in registry.resolve(case.implementation).capabilities.tunables:
         if not tunable.applies(case.stage, case.offload) or tunable.option in fixed:
+            continue
+        if seed is not None and seed not in tunable.searched_on:
             continue
         for value in tunable.values[1:]:
             out.append(case.model_copy(update={"options": {**case.options, tunable.option: value}}))
@@ -54,6 +57,11 @@ def seeds(ranked: list[Candidate], count: int = SEEDS, near: int = NEAR_MISSES) 
     return list({id(c): c for c in chosen}.values())
 
 
+def seed_kind(c: Candidate) -> str:
+    """``fitting``, or the limit a near miss missed (``GPU``, ``host per node``: its pruning line's first words)."""
+    return "fitting" if c.pruned is None else c.pruned.partition(":")[0]
+
+
 def declared(implementations: tuple[str, ...], fixed: Mapping[str, object]) -> list[str]:
     """One line per implementation whose options are searched: what, over which values, and what each trades."""
     lines = []
@@ -63,6 +71,8 @@ def declared(implementations: tuple[str, ...], fixed: Mapping[str, object]) -> l
             if t.option not in fixed and any(t.applies(stage) for stage in caps.stages):
                 values = ", ".join(str(v) for v in t.values)
                 where = f" with offload {', '.join(sorted(t.offloads))}" if t.offloads is not None else ""
+                if "fitting" not in t.searched_on:
+                    where += f", tried only on setups that missed {' or '.join(sorted(t.searched_on))}"
                 lines.append(
                     f"{name}: option {t.option} searched over {values} (default {t.values[0]}){where}: {t.trades}"
                 )
@@ -92,7 +102,7 @@ def search_options(
     seen = {setup_key(c.case) for c in ranked}
     pairs: list[tuple[Candidate, Case]] = []
     for seed in seeds(ranked):
-        for case in variants(seed.case, fixed):
+        for case in variants(seed.case, fixed, seed_kind(seed)):
             if setup_key(case) not in seen:
                 seen.add(setup_key(case))
                 pairs.append((seed, case))
