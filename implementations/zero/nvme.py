@@ -135,10 +135,14 @@ class NvmeMasters:
             hi = min(numel, lo + size)
             self._subs.append(_Sub(index, lo, hi, self.spec.make_optimizer([param]), param))
 
+    @property
+    def _slot_numel(self) -> int:
+        """Elements of one buffer slot: the largest sub-group."""
+        return max(s.numel for s in self._subs)
+
     def _buffers(self) -> list[_Slot]:
         if self._slots is None:
-            numel = max(s.numel for s in self._subs)
-            self._slots = [_Slot(numel, self.keys, device=self.device) for _ in range(self.SLOTS)]
+            self._slots = [_Slot(self._slot_numel, self.keys, device=self.device) for _ in range(self.SLOTS)]
         return self._slots
 
     def _record(self, kind: str, j: int, edge: str) -> None:
@@ -296,12 +300,11 @@ class NvmeMasters:
 
     def buffer_bytes(self) -> dict[str, int]:
         """The host buffers of ``SLOTS`` sub-groups (fp32 master and each optimizer-state tensor), held from the
-        first step on: ``zbench tune`` adds them to a rank's host memory, and to the device peak's host part on
-        the CPU stand-in, whose trace cannot tell them from device memory."""
+        first step on: ``zbench tune`` adds them to a rank's host memory, and takes them out of the CPU
+        stand-in's device peak, whose trace cannot tell them from device memory."""
         if not self._subs:
             return {}
-        numel = max(s.numel for s in self._subs)
-        return {"host": self.SLOTS * (1 + len(self.keys)) * numel * 4}
+        return {"host": self.SLOTS * (1 + len(self.keys)) * self._slot_numel * 4}
 
     def close(self) -> None:
         self._slots = None
