@@ -360,6 +360,19 @@ class DeepSpeedEngine(EngineBase):
         out["gradients"] = self._bytes([*others, *(m.grad for m in masters)], host=offloaded)
         return out
 
+    def buffer_bytes(self) -> dict[str, int]:
+        """DeepSpeed's gradient bucket buffers (``ipg_buckets``), which it keeps between steps and its model states
+        leave out: stage 3's, allocated whole when it builds, and stages 1-2's, allocated at the first backward
+        (two with ``overlap_comm``). What ``zbench tune`` adds for them to an estimate
+        (``zbench.tune.deepspeed_estimate.bucket_buffer_bytes``) is checked against these."""
+        if self.engine is None:
+            return {}
+        buffers: list[torch.Tensor] = []
+        for bucket in getattr(self.optimizer, "ipg_buckets", {}).values():
+            held = bucket.buffer
+            buffers.extend(held if isinstance(held, list) else [] if held is None else [held])
+        return {loc: n for loc, n in tensor_bytes(buffers, compute_device=self.spec.device).items() if n}
+
     def _bytes(self, tensors: list[torch.Tensor], *, host: bool) -> dict[str, int]:
         """Bytes by location; on a CPU-only run a host tier is on the compute device too, so ``host`` says where
         it is meant to be."""

@@ -14,7 +14,9 @@ stand-in's traced model states. DeepSpeed's options (``TUNABLES``) map onto the 
 - ``prefetch_size`` (stage 3, elements): the stand-in's prefetch of as many blocks as the elements fill, at least
   one (DeepSpeed gathers part of a block ahead where the reference engine gathers whole blocks: the peak is an upper
   bound), none for 0;
-- GPU need: the stand-in's traced peak less its traced model states on the GPU, plus DeepSpeed's;
+- GPU need: the stand-in's traced peak less its traced model states on the GPU, plus DeepSpeed's, plus the bucket
+  buffers DeepSpeed holds where the stand-in holds none (``bucket_buffer_bytes``: stage 3's gradient bucket,
+  stages 1-2's second bucket under ``overlap_comm``);
 - host need: DeepSpeed's host-held states (its CPU offload) for every rank of a node;
 - step time: the stand-in's trace charged with DeepSpeed's serialized phases, plus what DeepSpeed's step costs over
   the stand-in's where the profile's calibration timed both (``zbench calibrate`` probes DeepSpeed where it is
@@ -81,11 +83,20 @@ def mapped_option(case: Case) -> tuple[str, float]:
     return ("bucket_mb", bucket_mb(case)) if case.stage in BUCKETED_STAGES else ("prefetch", prefetch_blocks(case))
 
 
-def overlap_buffer_bytes(case: Case) -> int:
-    """The second bucket buffer DeepSpeed allocates at stages 1-2 with ``overlap_comm`` on (``setup_buckets``)."""
-    if case.stage not in BUCKETED_STAGES or not case.options.get("overlap_comm", False):
-        return 0
-    return case.options.get("bucket_size", BUCKET_ELEMENTS) * COMM_BYTES
+def bucket_buffer_bytes(case: Case) -> int:
+    """The bucket buffers DeepSpeed holds on the GPU beyond what its stand-in's trace has in their place
+    (``DeepSpeedEngine.buffer_bytes`` reads them off a real engine):
+
+    - at stages 1-2 the stand-in's flat groups hold one bucket's bytes, as DeepSpeed's first buffer does; with
+      ``overlap_comm`` on DeepSpeed adds a second (``setup_buckets``);
+    - at stage 3 DeepSpeed allocates its gradient bucket whole when it builds (``contiguous_gradients``, on by
+      default), ``reduce_bucket_size`` elements in the communication dtype, where the stand-in reduces block by
+      block into no standing buffer: 190.7 MiB at the 50M-element default.
+    """
+    bucket = case.options.get("bucket_size", BUCKET_ELEMENTS) * COMM_BYTES
+    if case.stage not in BUCKETED_STAGES:
+        return bucket
+    return bucket if case.options.get("overlap_comm", False) else 0
 
 
 def left_out(q: Question) -> list[str]:
@@ -172,7 +183,7 @@ def _estimated(case: Case, c: Candidate, cluster: Cluster, limits: Limits) -> Ca
     place, _ = declared_layout(case)
     ds.traced = c.traced
     ds.needs = Needs(
-        gpu=c.needs.gpu - c.traced.row.located("device") + placed_bytes(place, "device") + overlap_buffer_bytes(case),
+        gpu=c.needs.gpu - c.traced.row.located("device") + placed_bytes(place, "device") + bucket_buffer_bytes(case),
         host_per_node=placed_bytes(place, "host") * limits.gpus_per_node,
         disk_per_node=placed_bytes(place, "disk") * limits.gpus_per_node,
     )
