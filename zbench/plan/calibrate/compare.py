@@ -66,6 +66,9 @@ def _figures(profile: Cluster) -> dict[str, float]:
         out["collective_issue_us"] = cal.collective_issue_us
     if cal.disk is not None:
         out["disk write_gb_s"], out["disk read_gb_s"] = cal.disk.write_gb_s, cal.disk.read_gb_s
+    for op, points in cal.operator_factors.items():
+        for i, (_, factor) in enumerate(points):
+            out[f"{op} factor (probe {i + 1})"] = factor
     return out
 
 

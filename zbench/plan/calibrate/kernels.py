@@ -151,17 +151,19 @@ def thread_speedup(threads: int, tokens: int = 512, hidden: int = 256) -> float:
         torch.set_num_threads(before)
 
 
-def rank_probes() -> dict[str, Any]:
-    """``mapped_probe``, ``thread_speedup`` (over every core) and the implementations' step overheads
+def rank_probes(quick: bool = False) -> dict[str, Any]:
+    """``mapped_probe``, ``thread_speedup`` (over every core), operators inside a training step
+    (``zbench.plan.calibrate.in_step.probe``) and the implementations' step overheads
     (``zbench.plan.calibrate.overheads.probe``) as a CPU rank of zbench runs: glibc's mmap
     threshold pinned (``zbench.measure.memory.CPU_MALLOC_ENV``, or the value the user exports, as the launcher
     keeps it). A process of its own, since the threshold is read when the process starts and pinning it here
     would slow the caller's own allocations."""
     env = {**CPU_MALLOC_ENV, **os.environ}
     code = (
-        "import json, torch; from zbench.plan.calibrate import kernels, overheads; torch.set_num_threads(1); "
-        "print(json.dumps({'mapped_gb_s': kernels.mapped_probe(), "
-        "'thread_speedup': kernels.thread_speedup(kernels.cores()), 'overheads': overheads.probe()}))"
+        "import json, torch; from zbench.plan.calibrate import in_step, kernels, overheads; "
+        "torch.set_num_threads(1); print(json.dumps({'mapped_gb_s': kernels.mapped_probe(), "
+        "'thread_speedup': kernels.thread_speedup(kernels.cores()), "
+        f"'in_step': in_step.probe(quick={quick!r}), 'overheads': overheads.probe()}}))"
     )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:

@@ -19,7 +19,7 @@ import psutil
 import torch
 
 import zbench
-from zbench.plan.calibrate import collectives, kernels, overheads
+from zbench.plan.calibrate import collectives, in_step, kernels, overheads
 from zbench.plan.calibrate.disk import probe_disk
 from zbench.plan.calibrate.timer import Timer
 from zbench.plan.simulate.calibration import Calibration, DiskProbe
@@ -75,11 +75,12 @@ def calibrate(
     step(1, f"matrix products on {machine.device.type}: {', '.join(map(kernels.dtype_name, sizes.dtypes))}")
     matmul = kernels.matmul_table(timer, sizes)
     on_cpu = machine.device.type == "cpu"
-    rank_work = ", a rank's fresh pages, threads and each implementation's host work" if on_cpu else ""
+    rank_work = (", a rank's fresh pages, threads, operators inside a training step and each implementation's host "
+                 "work") if on_cpu else ""  # fmt: skip
     step(2, f"memory-bound operators, host <-> device copies{rank_work}")
     memory_bound = kernels.memory_bound(timer, sizes)
     copies = kernels.copies(timer, sizes, memory_bound)
-    rank = kernels.rank_probes() if on_cpu else {}
+    rank = kernels.rank_probes(quick) if on_cpu else {}
     step(3, "per-operator cost inside a training step, module hooks, the host optimizer step")
     hook_us, op_us, adam = kernels.hook_call_us(), kernels.op_call_us(timer), kernels.host_adam_params_per_s(threads)
     curves: list = []
@@ -123,6 +124,8 @@ def calibrate(
         mapped_gb_s=rank.get("mapped_gb_s"),
         thread_speedup=rank.get("thread_speedup"),
     )
+    if "in_step" in rank:  # before the residuals, which are taken against the operators' factored costs
+        cal = cal.model_copy(update={"operator_factors": in_step.factors(rank["in_step"], cal)})
     if "overheads" in rank:  # residuals against the operator costs just measured
         cal = cal.model_copy(update={"overheads": overheads.fit(rank["overheads"], cal)})
     return cal

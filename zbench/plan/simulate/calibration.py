@@ -119,3 +119,9 @@ class Calibration(_Frozen):
         default_factory=dict,
         description="on a CPU: each built-in's step beyond its operators, by '<implementation>-s<stage>'",
     )
+    operator_factors: dict[str, list[tuple[float, float]]] = Field(
+        default_factory=dict,
+        description="on a CPU: each operator's time inside a profiled training step over what the tables charge "
+        "it, as [size per call (FLOPs, else bytes moved), factor] by probe size (zbench.plan.calibrate.in_step; "
+        "profiles before schema 5: none, every factor 1)",
+    )

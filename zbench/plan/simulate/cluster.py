@@ -11,7 +11,8 @@ microbenchmark, an assumption, or a measurement) and, in profiles ``zbench calib
 (the measured tables the figures were derived from, ``zbench.plan.simulate.calibration``). Version 3 adds
 ``operators`` (published operator rates a datasheet profile charges each traced operator from,
 ``zbench.plan.simulate.datasheet``). Version 4 keeps each implementation probe's measured step beside its
-residual (``ImplementationOverhead.measured_us``), a wide probe's among them.
+residual (``ImplementationOverhead.measured_us``), a wide probe's among them. Version 5 adds each operator's
+factor inside a training step (``Calibration.operator_factors``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from zbench.plan.simulate.datasheet import DatasheetOperators, DatasheetRates
 BUILT_IN = Path(__file__).with_name("clusters")
 
 #: The newest profile layout this zbench reads and writes (the module docstring says what each adds).
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class Link(BaseModel):

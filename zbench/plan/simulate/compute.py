@@ -11,6 +11,9 @@ Each operator the trace recorded (``zbench.plan.trace.ops``) is charged:
   ``add``);
 - on a CPU, the bytes of the large tensors it creates at the rate a rank maps fresh pages (``mapped_gb_s``:
   zbench's CPU ranks map every block of 128 KiB or more, ``zbench.measure.memory``), added to its work;
+- each operator's work times its factor where the calibration measured one (``operator_factors``: the
+  operator's time inside a profiled training step over what the tables charge it, ``zbench.plan.calibrate.
+  in_step``: GELU computes more per byte than ``add``, the optimizer's operators stream from memory);
 - every call, the calibrated cost of an operator of negligible work inside a training step (``op_call_us``:
   autograd, module calls, the optimizer's loop): on a CPU added to the work (the same thread does both), on
   a GPU the larger of the two (the host launches ahead while the device works).
@@ -104,6 +107,30 @@ def host_share(share: float) -> float:
     return min(share, 1.0)
 
 
+def work_seconds(entry: dict[str, Any], cal: Rates, *, on_gpu: bool) -> float:
+    """One call's work as the tables charge it: its FLOPs at the matrix-product rate of its size (or its fused
+    attention's rate), else its bytes at the bandwidth of its working set; on a CPU, its fresh pages too."""
+    if entry["flops"] > 0:
+        work = entry["flops"] / (attention_rate(cal, entry["op"]) or flop_rate(cal, entry["dtype"], entry["flops"]))
+    else:
+        work = entry["bytes"] / memory_bandwidth(cal, entry["bytes"])
+    if not on_gpu and cal.mapped_gb_s:
+        work += entry.get("mapped_bytes", 0) / (cal.mapped_gb_s * 1e9)  # traces before it was recorded: none
+    return work
+
+
+def operator_factor(cal: Rates, entry: dict[str, Any]) -> float:
+    """What one call of this operator takes inside a training step over what the tables charge it
+    (``Calibration.operator_factors``, ``zbench.plan.calibrate.in_step``): linear in log size (FLOPs, else bytes,
+    per call) between the probed sizes, the nearest probe's beyond them; 1 where the calibration did not measure
+    the operator (a datasheet profile, an older calibration, an operator the probe model does not run)."""
+    points = cal.operator_factors.get(entry["op"])
+    if not points:
+        return 1.0
+    size = entry["flops"] or entry["bytes"]
+    return _interpolated([(math.log(max(s, 1.0)), f) for s, f in points], math.log(max(size, 1.0)))
+
+
 def op_seconds(
     entry: dict[str, Any], cal: Rates, *, on_gpu: bool, work_scale: float = 1.0, share: float = 1.0
 ) -> float:
@@ -111,13 +138,7 @@ def op_seconds(
     the work (FLOPs or bytes) of each call, never its dispatch cost. ``share``: a CPU rank's speed against the
     calibration's (``zbench.plan.simulate.calibrated.cpu_share``). More threads than calibrated do the work
     faster but not the dispatch, which is Python and autograd on one thread; less than a core slows both."""
-    if entry["flops"] > 0:
-        work = entry["flops"] / (attention_rate(cal, entry["op"]) or flop_rate(cal, entry["dtype"], entry["flops"]))
-    else:
-        work = entry["bytes"] / memory_bandwidth(cal, entry["bytes"])
-    if not on_gpu and cal.mapped_gb_s:
-        work += entry.get("mapped_bytes", 0) / (cal.mapped_gb_s * 1e9)  # traces before it was recorded: none
-    work *= work_scale / share
+    work = work_seconds(entry, cal, on_gpu=on_gpu) * operator_factor(cal, entry) * work_scale / share
     call = call_seconds(cal, share)
     return entry["count"] * (max(work, call) if on_gpu else work + call)
 

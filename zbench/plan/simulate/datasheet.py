@@ -58,8 +58,8 @@ class DatasheetOperators(BaseModel):
 @dataclass(frozen=True)
 class DatasheetRates:
     """The figures ``zbench.plan.simulate.compute`` reads from a calibration, filled from a datasheet: one rate per
-    dtype at every size, attention's own rate, one bandwidth, no host mapping cost and no measured implementation
-    overheads."""
+    dtype at every size, attention's own rate, one bandwidth, no host mapping cost, no measured implementation
+    overheads and no operator factors."""
 
     device: str
     matmul: list[MatmulPoint]
@@ -68,3 +68,4 @@ class DatasheetRates:
     attention_tflops: float | None = None
     mapped_gb_s: float | None = None
     overheads: dict[str, ImplementationOverhead] = field(default_factory=dict)
+    operator_factors: dict[str, list[tuple[float, float]]] = field(default_factory=dict)

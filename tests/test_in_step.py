@@ -1,0 +1,92 @@
+"""Operators inside a training step (``zbench.plan.calibrate.in_step``): the profiled time each recorded operator
+claims, the factor it is given over the tables' charge, and the step model charging it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zbench.plan.calibrate import in_step
+from zbench.plan.simulate.calibration import BandwidthPoint, Calibration, MatmulPoint
+from zbench.plan.simulate.compute import op_seconds, operator_factor, work_seconds
+
+
+def calibration(**extra: object) -> Calibration:
+    """A CPU calibration with flat tables: 10 GB/s at every working set, 100 GFLOP/s, 5 us per call."""
+    return Calibration(
+        measured_at="2026-11-30T00:00:00+00:00", host="h", torch="t", zbench="z", device="cpu", backend="gloo",
+        ranks=1, threads_per_rank=1, seconds=1.0,
+        matmul=[MatmulPoint(m=64, k=64, n=64, dtype="float32", tflops=0.1)],
+        memory_bound=[BandwidthPoint(op="copy", bytes=2**20, gb_s=10.0)],
+        collectives=[], hook_call_us=1.0, op_call_us=5.0, copies_gb_s={}, host_adam_params_per_s=1e8, **extra,
+    )  # fmt: skip
+
+
+def entry(op: str, nbytes: int, count: int = 1, flops: int = 0) -> dict:
+    return {"op": op, "dtype": "float32", "shapes": [], "flops": flops, "bytes": nbytes, "mapped_bytes": 0,
+            "count": count}  # fmt: skip
+
+
+def profiled(fn) -> list:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return prof.events()
+
+
+def test_a_nested_call_is_the_time_of_the_outer_operator_the_ledger_records():
+    """The ledger sees ``_to_copy``, not the ``copy_`` inside it, and ``addmm``, not the ``linear`` around it:
+    each profiled call is claimed by the outermost operator the ledger records."""
+    x, w, b = torch.randn(64, 32), torch.randn(16, 32), torch.randn(16)
+    events = profiled(lambda: (x.to(torch.float64), torch.nn.functional.linear(x, w, b)))
+    claimed = in_step.claimed_times(events, {"_to_copy", "copy_", "addmm"})
+    assert set(claimed) == {"_to_copy", "addmm"} and claimed["_to_copy"][1] == claimed["addmm"][1] == 1
+    converted = profiled(lambda: x.to(torch.float64))
+    alone = in_step.claimed_times(converted, {"copy_"})  # with _to_copy not recorded, its copy_ is its own
+    assert set(alone) == {"copy_"} and alone["copy_"][1] == 1
+    whole = in_step.claimed_times(converted, {"_to_copy", "copy_"})
+    assert whole["_to_copy"][0] >= alone["copy_"][0]  # the outer call's time includes the copy it made
+
+
+def test_a_factor_is_the_measured_time_less_dispatch_over_the_charged_work():
+    cal = calibration()
+    gelu = entry("gelu", 10 * 2**20, count=4)  # 1.05 ms of work at 10 GB/s, each of 4 calls
+    work = work_seconds(gelu, cal, on_gpu=False)
+    slow = 4 * (2.5 * work + 5e-6) * 1e6  # measured: 2.5 times the work, plus each call's dispatch
+    tiny = entry("fill_", 100, count=3)  # charged far less than MIN_WORK_S: dispatch, not work
+    probes = [{"entries": [gelu, tiny], "measured": {"gelu": (slow, 4), "fill_": (900.0, 3)}}]
+    factors = in_step.factors(probes, cal)
+    assert set(factors) == {"gelu"}
+    ((size, factor),) = factors["gelu"]
+    assert size == 10 * 2**20 and factor == pytest.approx(2.5)
+    wild = [{"entries": [gelu], "measured": {"gelu": (slow * 100, 4)}}]  # a measurement gone wrong is clamped
+    assert in_step.factors(wild, cal)["gelu"][0][1] == in_step.FACTOR_RANGE[1]
+
+
+def test_the_step_model_multiplies_an_operators_work_by_its_factor_between_probe_sizes():
+    cal = calibration(operator_factors={"gelu": [(2**20, 2.0), (2**24, 4.0)]})
+    plain = calibration()
+    call = 5e-6
+    for nbytes, factor in ((2**20, 2.0), (2**22, 3.0), (2**24, 4.0), (2**10, 2.0), (2**30, 4.0)):
+        e = entry("gelu", nbytes, count=3)
+        assert operator_factor(cal, e) == pytest.approx(factor)
+        assert op_seconds(e, cal, on_gpu=False) - 3 * call == pytest.approx(
+            factor * (op_seconds(e, plain, on_gpu=False) - 3 * call)
+        )  # the work scaled, the dispatch not
+    other = entry("add", 2**22)
+    assert operator_factor(cal, other) == 1.0 and op_seconds(other, cal, on_gpu=False) == op_seconds(
+        other, plain, on_gpu=False
+    )
+    mm = entry("mm", 0, flops=2 * 64**3)  # a product's size is its FLOPs
+    assert operator_factor(calibration(operator_factors={"mm": [(2 * 64**3, 1.2)]}), mm) == pytest.approx(1.2)
+
+
+def test_a_probe_step_times_the_operators_a_transformer_step_runs():
+    """The quick probe, for real: GELU, the products and the optimizer's operators are timed, each factor within
+    the clamp."""
+    cal = calibration()
+    (probe,) = in_step.probe(quick=True)
+    assert {"gelu", "gelu_backward", "addmm", "mm", "lerp_"} <= set(probe["measured"])
+    factors = in_step.factors([probe], cal)
+    assert {"gelu", "addmm", "mm"} <= set(factors)
+    low, high = in_step.FACTOR_RANGE
+    assert all(low <= f <= high for points in factors.values() for _, f in points)

@@ -1,0 +1,119 @@
+"""Each operator's cost inside a training step, against what the calibration's tables charge it.
+
+The tables time matrix products and two memory-bound operators (``copy``, ``add``) in isolation, on the same
+buffers over and over. A training step is not that: GELU and log-softmax compute per element far more than an
+``add`` does (on the 2-core machine, 2026-11-30, GELU's backward took 1.7-3.0 times what ``add``'s bandwidth
+charged it), the optimizer's operators touch each tensor once per step, from memory rather than from a cache
+still warm from the last repeat, and backward's products run at other layouts than the probe's. Measured on
+profiled steps of ``small`` and ``medium`` at world 2 there, the operators the model charged 207 and 1,705 ms
+took 299 and 2,028 ms (their own self time, profiler on).
+
+So the calibration trains a probe model (a GPT of ``BLOCKS`` blocks at widths and token counts none of the
+validation's presets use) for a few steps in a rank's environment, records one step's operators as the trace's
+ledger does (``zbench.plan.trace.ops.OpLedger``), profiles the next identical step, and keeps, for every operator
+that does work enough to time, its factor: the time the profiler measured for it, less its calls' dispatch cost
+(``op_call_us``), over the work the tables charge it. The step model multiplies each traced operator's work by its
+factor (``zbench.plan.simulate.compute.operator_factor``), between the probe sizes by its size per call; an
+operator the probe does not run keeps factor 1. Operators nested in another the ledger records (``_to_copy``'s
+``copy_``) are that operator's time, as the ledger sees only the outer call; composite operators the ledger never
+sees (``linear``) are transparent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from zbench.plan.simulate.calibration import Calibration
+from zbench.plan.trace.ops import OpLedger
+
+#: (width, tokens per step) of the probe models: on a CPU two sizes that bracket a small and a mid-size block.
+PROBES = ((384, 512), (1024, 2048))
+QUICK_PROBES = ((256, 256),)
+BLOCKS, VOCAB, SEQ = 2, 4096, 128
+#: An operator's charged work in one probe step below which its factor is not kept: its time is mostly dispatch,
+#: which ``op_call_us`` already charges, and the profiler's own overhead.
+MIN_WORK_S = 200e-6
+#: The factors kept are clamped to this range: one outside it is a measurement gone wrong, not an operator.
+FACTOR_RANGE = (0.1, 10.0)
+
+
+def probe(quick: bool = False) -> list[dict[str, Any]]:
+    """For each probe shape: one step's ledger (``OpLedger.take``'s entries) and the next identical step's time
+    per ledger operator (microseconds and calls, ``measured``). Runs in a rank's environment (one thread, glibc's
+    mmap threshold pinned: ``zbench.plan.calibrate.kernels.rank_probes``)."""
+    return [_probe_one(width, tokens) for width, tokens in (QUICK_PROBES if quick else PROBES)]
+
+
+def _probe_one(width: int, tokens: int) -> dict[str, Any]:
+    from zbench.cases.models import GPT
+    from zbench.presets import GPTConfig
+    from zbench.protocol import TrainSpec
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=BLOCKS, d_model=width, heads=max(1, width // 64), vocab=VOCAB, seq=SEQ))
+    optimizer = TrainSpec(device=torch.device("cpu"), weight_decay=0.01).make_optimizer(model.parameters())
+    ids = torch.randint(0, VOCAB, (max(1, tokens // SEQ), SEQ + 1))
+
+    def step() -> None:
+        model(ids[:, :-1], ids[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(3):  # optimizer state, allocator caches
+        step()
+    ledger = OpLedger()
+    with ledger:
+        ledger.start_step()
+        step()
+        entries = [e for phase in ledger.take().values() for e in phase]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    return {"width": width, "tokens": tokens, "entries": entries,
+            "measured": claimed_times(prof.events(), {e["op"] for e in entries})}  # fmt: skip
+
+
+def claimed_times(events: Any, recorded: set[str]) -> dict[str, tuple[float, int]]:
+    """``{op: (microseconds, calls)}``: each profiled call of an operator the ledger records (``aten::<op>``), its
+    time including what it called, unless an enclosing call already claimed it (the ledger sees the outer call
+    only)."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+
+    def walk(event: Any) -> None:
+        name = event.name.removeprefix("aten::")
+        if event.name.startswith("aten::") and name in recorded:
+            out[name][0] += event.cpu_time_total
+            out[name][1] += 1
+            return
+        for child in event.cpu_children:
+            walk(child)
+
+    for event in events:
+        if event.cpu_parent is None:
+            walk(event)
+    return {op: (us, int(calls)) for op, (us, calls) in out.items()}
+
+
+def factors(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, list[tuple[float, float]]]:
+    """``{op: [(size per call, factor), ...]}`` by increasing size (FLOPs for an operator that has them, else
+    bytes moved): the measured time less its calls' dispatch cost, over the work ``cal``'s tables charge it."""
+    from zbench.plan.simulate.compute import call_seconds, work_seconds
+
+    out: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for p in probes:
+        charged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # work, size x calls, calls
+        for e in p["entries"]:
+            c = charged[e["op"]]
+            c[0] += work_seconds(e, cal, on_gpu=False) * e["count"]
+            c[1] += (e["flops"] or e["bytes"]) * e["count"]
+            c[2] += e["count"]
+        for op, (us, calls) in p["measured"].items():
+            work, sized, counted = charged[op]
+            if work < MIN_WORK_S or counted == 0:
+                continue
+            factor = (us * 1e-6 - calls * call_seconds(cal)) / work
+            out[op].append((sized / counted, min(max(factor, FACTOR_RANGE[0]), FACTOR_RANGE[1])))
+    return {op: sorted(points) for op, points in sorted(out.items()) if all(math.isfinite(f) for _, f in points)}
