@@ -68,8 +68,12 @@ def _rank(world: int, rank: int, out: object) -> None:
         engine = deepspeed.build(model, TrainSpec(device=torch.device("cpu"), stage=stage, options=options),
                                  dist.group.WORLD)  # fmt: skip
         seen: list[int] = []
+
+        def read(grad: torch.Tensor, engine: object = engine, seen: list[int] = seen) -> None:
+            seen.append(engine.buffer_bytes().get("device", 0))  # type: ignore[attr-defined]
+
         for p in model.parameters():
-            p.register_hook(lambda grad: seen.append(engine.buffer_bytes().get("device", 0)))
+            p.register_hook(read)
         tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(rank))
         engine.step([(tokens[:, :-1], tokens[:, 1:])])
         found.append((engine.buffer_bytes().get("device", 0), max(seen)))
