@@ -1,7 +1,9 @@
-"""Two bandwidth models on the same measured runs: ``validate_simulator``'s stored cases (its JSON keeps each case's
-measured step and paired ratio, and both profiles) re-predicted from fresh traces with each profile as measured
-(each memory-bound operator charged the bandwidth of its own working set) and with its memory probes cut to the
-largest size (the earlier model: every operator at DRAM's rate). DDP's noise twins are left out.
+"""Step models side by side on the same measured runs: ``validate_simulator``'s stored cases (its JSON keeps each
+case's measured step and paired ratio, and both profiles) re-predicted from fresh traces with each profile as
+measured (each memory-bound operator charged the bandwidth of its own working set, each operator its factor
+inside a training step where the profile has them), with its operator factors left out (every factor 1: the
+model before ``zbench.plan.calibrate.in_step``), and with its memory probes cut to the largest size (the earlier
+model: every operator at DRAM's rate). DDP's noise twins are left out.
 
 ``python -m tests.benchmarks.bandwidth_models docs/data/validate_simulator_sizes.json``
 """
@@ -35,7 +37,12 @@ def largest_probe_only(profile: dict[str, Any]) -> Cluster:
     cal = profile["calibration"]
     largest = max(b["bytes"] for b in cal["memory_bound"])
     kept = [b for b in cal["memory_bound"] if b["bytes"] == largest]
-    return Cluster.model_validate({**profile, "calibration": {**cal, "memory_bound": kept}})
+    return Cluster.model_validate({**profile, "calibration": {**cal, "memory_bound": kept, "operator_factors": {}}})
+
+
+def without_factors(profile: dict[str, Any]) -> Cluster:
+    cal = profile["calibration"]
+    return Cluster.model_validate({**profile, "calibration": {**cal, "operator_factors": {}}})
 
 
 def summary(profile: Cluster, rows: dict[str, TracedRow], measured: dict[str, dict[str, Any]]) -> str:
@@ -61,7 +68,11 @@ def main() -> None:
     rows = {case_id: traced(case_id) for case_id in measured}
     for name in ("before", "after"):
         profile = document["profiles"][name]
-        models = (("working set", Cluster.model_validate(profile)), ("largest only", largest_probe_only(profile)))
+        models = (
+            ("as measured", Cluster.model_validate(profile)),
+            ("no factors", without_factors(profile)),
+            ("largest only", largest_probe_only(profile)),
+        )
         for label, cluster in models:
             print(f"{name:6s} {label:12s} {summary(cluster, rows, measured)}")
 
