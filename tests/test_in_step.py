@@ -8,7 +8,7 @@ import torch
 
 from zbench.plan.calibrate import in_step
 from zbench.plan.simulate.calibration import BandwidthPoint, Calibration, MatmulPoint
-from zbench.plan.simulate.compute import op_seconds, operator_factor, work_seconds
+from zbench.plan.simulate.compute import memory_bandwidth, op_seconds, operator_factor, work_seconds
 
 
 def calibration(**extra: object) -> Calibration:
@@ -20,6 +20,10 @@ def calibration(**extra: object) -> Calibration:
         memory_bound=[BandwidthPoint(op="copy", bytes=2**20, gb_s=10.0)],
         collectives=[], hook_call_us=1.0, op_call_us=5.0, copies_gb_s={}, host_adam_params_per_s=1e8, **extra,
     )  # fmt: skip
+
+
+def memory_bandwidth_at(cal: Calibration, moved: int) -> float:
+    return memory_bandwidth(cal, moved) / 1e9
 
 
 def entry(op: str, nbytes: int, count: int = 1, flops: int = 0) -> dict:
@@ -76,6 +80,14 @@ def test_the_step_model_multiplies_an_operators_work_by_its_factor_between_probe
     assert operator_factor(cal, other) == 1.0 and op_seconds(other, cal, on_gpu=False) == op_seconds(
         other, plain, on_gpu=False
     )
+    # past the largest probe a memory-bound operator keeps the rate it ran at there: where the tables' rate halves
+    # (a working set out of the caches), its factor halves with it rather than charging the fall twice
+    table = [BandwidthPoint(op="copy", bytes=2**20, gb_s=20.0), BandwidthPoint(op="copy", bytes=2**26, gb_s=10.0)]
+    falling = calibration(operator_factors={"lerp_": [(2**20, 2.0), (2**22, 1.5)]}).model_copy(
+        update={"memory_bound": table}
+    )
+    big = entry("lerp_", 2**27 * 2)  # copy's points are per input byte: 2 moved per byte
+    assert operator_factor(falling, big) == pytest.approx(1.5 * 10.0 / memory_bandwidth_at(falling, 2**22))
     mm = entry("mm", 0, flops=2 * 64**3)  # a product's size is its FLOPs
     assert operator_factor(calibration(operator_factors={"mm": [(2 * 64**3, 1.2)]}), mm) == pytest.approx(1.2)
 

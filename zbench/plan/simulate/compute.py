@@ -123,11 +123,19 @@ def operator_factor(cal: Rates, entry: dict[str, Any]) -> float:
     """What one call of this operator takes inside a training step over what the tables charge it
     (``Calibration.operator_factors``, ``zbench.plan.calibrate.in_step``): linear in log size (FLOPs, else bytes,
     per call) between the probed sizes, the nearest probe's beyond them; 1 where the calibration did not measure
-    the operator (a datasheet profile, an older calibration, an operator the probe model does not run)."""
+    the operator (a datasheet profile, an older calibration, an operator the probe model does not run).
+
+    Past the largest probe a memory-bound operator keeps the rate it ran at there, not its factor: the tables'
+    rate falls as a working set outgrows the caches, and the probe's factor already carries that fall (a step
+    finds its tensors cold, the tables' repeats warm), so applying it to the lower rate again would count the
+    fall twice (AdamW over ``medium``'s 25 MB embedding was charged twice its time that way)."""
     points = cal.operator_factors.get(entry["op"])
     if not points:
         return 1.0
     size = entry["flops"] or entry["bytes"]
+    last_size, last_factor = points[-1]
+    if not entry["flops"] and size > last_size:
+        return last_factor * memory_bandwidth(cal, size) / memory_bandwidth(cal, last_size)
     return _interpolated([(math.log(max(s, 1.0)), f) for s, f in points], math.log(max(size, 1.0)))
 
 
