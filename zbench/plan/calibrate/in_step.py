@@ -10,10 +10,9 @@ took 299 and 2,028 ms (their own self time, profiler on).
 
 So the calibration trains a probe model (a GPT of ``BLOCKS`` blocks at widths and token counts none of the
 validation's presets use) for a few steps in a rank's environment, records one step's operators as the trace's
-ledger does (``zbench.plan.trace.ops.OpLedger``), profiles the next identical steps (``PROFILED_STEPS``, each
-operator's median), and keeps, for every operator
-that does work enough to time, its factor: the time the profiler measured for it, less its calls' dispatch cost
-(``op_call_us``), over the work the tables charge it. The step model multiplies each traced operator's work by its
+ledger does (``zbench.plan.trace.ops.OpLedger``), profiles the next identical steps (``PROFILED_STEPS``), and
+keeps, for every operator that does work enough to time, its factor: the median time the profiler measured for
+it, less its calls' dispatch cost (``op_call_us``), over the work the tables charge it. The step model multiplies each traced operator's work by its
 factor (``zbench.plan.simulate.compute.operator_factor``), between the probe sizes by its size per call; an
 operator the probe does not run keeps factor 1. Operators nested in another the ledger records (``_to_copy``'s
 ``copy_``) are that operator's time, as the ledger sees only the outer call; composite operators the ledger never
@@ -47,9 +46,9 @@ FACTOR_RANGE = (0.1, 10.0)
 
 
 def probe(quick: bool = False) -> list[dict[str, Any]]:
-    """For each probe shape: one step's ledger (``OpLedger.take``'s entries) and the next identical step's time
-    per ledger operator (microseconds and calls, ``measured``). Runs in a rank's environment (one thread, glibc's
-    mmap threshold pinned: ``zbench.plan.calibrate.kernels.rank_probes``)."""
+    """For each probe shape: one step's ledger (``OpLedger.take``'s entries) and each ledger operator's time in the
+    next ``PROFILED_STEPS`` identical steps, their median (microseconds and calls, ``measured``). Runs in a rank's
+    environment (one thread, glibc's mmap threshold pinned: ``zbench.plan.calibrate.kernels.rank_probes``)."""
     return [_probe_one(width, tokens) for width, tokens in (QUICK_PROBES if quick else PROBES)]
 
 
