@@ -4,7 +4,7 @@ The tables time matrix products and two memory-bound operators (``copy``, ``add`
 buffers over and over. A training step is not that: GELU and log-softmax compute per element far more than an
 ``add`` does (on the 2-core machine, 2026-11-30, GELU's backward took 1.7-3.0 times what ``add``'s bandwidth
 charged it), the optimizer's operators touch each tensor once per step, from memory rather than from a cache
-still warm from the last repeat, and backward's products run at other layouts than the probe's. Measured on
+still warm from the last repeat, and products run a few percent slower inside a step than alone. Measured on
 profiled steps of ``small`` and ``medium`` at world 2 there, the operators the model charged 207 and 1,705 ms
 took 299 and 2,028 ms (their own self time, profiler on).
 
@@ -12,11 +12,11 @@ So the calibration trains a probe model (a GPT of ``BLOCKS`` blocks at widths an
 validation's presets use) for a few steps in a rank's environment, records one step's operators as the trace's
 ledger does (``zbench.plan.trace.ops.OpLedger``), profiles the next identical steps (``PROFILED_STEPS``), and
 keeps, for every operator that does work enough to time, its factor: the median time the profiler measured for
-it, less its calls' dispatch cost (``op_call_us``), over the work the tables charge it. The step model multiplies each traced operator's work by its
-factor (``zbench.plan.simulate.compute.operator_factor``), between the probe sizes by its size per call; an
-operator the probe does not run keeps factor 1. Operators nested in another the ledger records (``_to_copy``'s
-``copy_``) are that operator's time, as the ledger sees only the outer call; composite operators the ledger never
-sees (``linear``) are transparent.
+it, less its calls' dispatch cost (``op_call_us``), over the work the tables charge it. The step model
+multiplies each traced operator's work by its factor (``zbench.plan.simulate.compute.operator_factor``), between
+the probe sizes by its size per call; an operator the probe does not run keeps factor 1. Operators nested in
+another the ledger records (``_to_copy``'s ``copy_``) are that operator's time, as the ledger sees only the outer
+call; composite operators the ledger never sees (``linear``) are transparent.
 """
 
 from __future__ import annotations
