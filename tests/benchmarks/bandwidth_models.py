@@ -33,16 +33,20 @@ def traced(case_id: str) -> TracedRow:
     return row
 
 
+def with_calibration(profile: dict[str, Any], **changed: Any) -> Cluster:
+    """``profile`` with some of its calibration's tables replaced."""
+    return Cluster.model_validate({**profile, "calibration": {**profile["calibration"], **changed}})
+
+
 def largest_probe_only(profile: dict[str, Any]) -> Cluster:
-    cal = profile["calibration"]
-    largest = max(b["bytes"] for b in cal["memory_bound"])
-    kept = [b for b in cal["memory_bound"] if b["bytes"] == largest]
-    return Cluster.model_validate({**profile, "calibration": {**cal, "memory_bound": kept, "operator_factors": {}}})
+    memory = profile["calibration"]["memory_bound"]
+    largest = max(b["bytes"] for b in memory)
+    kept = [b for b in memory if b["bytes"] == largest]
+    return with_calibration(profile, memory_bound=kept, operator_factors={})
 
 
 def without_factors(profile: dict[str, Any]) -> Cluster:
-    cal = profile["calibration"]
-    return Cluster.model_validate({**profile, "calibration": {**cal, "operator_factors": {}}})
+    return with_calibration(profile, operator_factors={})
 
 
 def summary(profile: Cluster, rows: dict[str, TracedRow], measured: dict[str, dict[str, Any]]) -> str:

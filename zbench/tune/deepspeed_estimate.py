@@ -62,9 +62,14 @@ def stand_in_name(stage: int) -> str:
     return f"zero{stage}"
 
 
+def bucket_bytes(case: Case) -> int:
+    """Bytes of one of ``case``'s DeepSpeed gradient buckets: its ``bucket_size`` elements in the reduction dtype."""
+    return case.options.get("bucket_size", BUCKET_ELEMENTS) * COMM_BYTES
+
+
 def bucket_mb(case: Case) -> float:
     """The reference engine's bucket (MiB) that holds as many gradients as ``case``'s DeepSpeed bucket."""
-    return case.options.get("bucket_size", BUCKET_ELEMENTS) * COMM_BYTES / 2**20
+    return bucket_bytes(case) / 2**20
 
 
 def prefetch_blocks(case: Case) -> int:
@@ -93,7 +98,7 @@ def bucket_buffer_bytes(case: Case) -> int:
       default), ``reduce_bucket_size`` elements in the communication dtype, where the stand-in reduces block by
       block into no standing buffer: 190.7 MiB at the 50M-element default.
     """
-    bucket = case.options.get("bucket_size", BUCKET_ELEMENTS) * COMM_BYTES
+    bucket = bucket_bytes(case)
     if case.stage not in BUCKETED_STAGES:
         return bucket
     return bucket if case.options.get("overlap_comm", False) else 0
