@@ -84,6 +84,23 @@ def test_offload_adds_host_step_and_pcie_time():
     assert off.step_s == pytest.approx(plain.step_s + off.offload_s)
 
 
+def test_on_a_cpu_the_traced_operators_are_the_host_step_and_only_nvme_is_added():
+    """A CPU's host is its device: with operator compute (whose traced optimizer step is the host's, charged by
+    ``phase_seconds``) the offload model adds no host AdamW and no copies, only NVMe's reads and writes. Without
+    operator compute (FLOPs x efficiency) it still charges the host step, which nothing else does."""
+    cpu = load("cpu-2core")
+    kw = dict(cluster=cpu, world=2, flops_per_step=1e9, params=2 * 10**6, stage=2, checkpointing=False,
+              tokens_per_step=1)  # fmt: skip
+    shard = 10**6
+    traced = {"phase_compute": {"forward": 0.1, "backward": 0.2, "after_backward": 0.05}}
+    assert estimate({}, offload="optimizer", **kw, **traced).offload_s == 0.0
+    nvme = estimate({}, offload="nvme", **kw, **traced)
+    assert nvme.offload_s == pytest.approx(2 * 12 * shard / (cpu.nvme_gb_s_per_node * 1e9 / 2))
+    assert nvme.step_s == pytest.approx(0.35 + nvme.offload_s)
+    untraced = estimate({}, offload="optimizer", **kw)
+    assert untraced.offload_s == pytest.approx(8 * shard / (cpu.pcie_gb_s * 1e9) + shard / cpu.host_adam_params_per_s)
+
+
 def test_a_datasheet_profile_charges_each_operator_from_its_published_rates():
     """h100-sxm's ``operators:``: a product at the achievable rate of its dtype, fused attention at its kernel's
     quoted rate, an elementwise operator at the memory bandwidth, a tiny one at its launch; a profile without

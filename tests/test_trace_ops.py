@@ -110,9 +110,13 @@ def test_each_operator_is_charged_by_hand():
     ops = {"forward": [matmul], "after_backward": [add]}
     at_8 = phase_seconds(ops, cal, traced_world=2, world=8, sharded_step=True)
     assert at_8["after_backward"] == pytest.approx(5 * (3e6 / 10e9 / 4 + 2e-6))  # a quarter of the work, every call
-    # offloaded, the host step's work is the offload model's; each of its calls is still one thread's dispatch
-    offloaded = phase_seconds(ops, cal, traced_world=2, world=2, sharded_step=True, offload="optimizer")
+    # offloaded on a GPU, the host step's work is the offload model's; each of its calls is still one thread's
+    # dispatch. On a CPU the host is the device: the traced operators are the host's work, charged as without offload
+    on_gpu = _calibration(device="H100")
+    offloaded = phase_seconds(ops, on_gpu, traced_world=2, world=2, sharded_step=True, offload="optimizer")
     assert offloaded["after_backward"] == pytest.approx(5 * 2e-6)
+    on_host = phase_seconds(ops, cal, traced_world=2, world=2, sharded_step=True, offload="optimizer")
+    assert on_host == phase_seconds(ops, cal, traced_world=2, world=2, sharded_step=True)
     assert phase_seconds(ops, cal, traced_world=2, world=8, sharded_step=False)["after_backward"] == pytest.approx(
         op_seconds(add, cal, on_gpu=False)
     )

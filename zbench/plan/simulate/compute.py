@@ -168,16 +168,18 @@ def phase_seconds(
 ) -> dict[str, float]:
     """Seconds of compute per phase of one rank's step at ``world`` ranks.
 
-    With offload the optimizer step runs on the host, whose work the offload model charges (host AdamW, PCIe,
-    NVMe; ``zbench.plan.simulate.step.offload_seconds``): its traced operators' work is left out here, not
+    With offload on a GPU the optimizer step runs on the host, whose work the offload model charges (host AdamW,
+    PCIe, NVMe; ``zbench.plan.simulate.step.offload_seconds``): its traced operators' work is left out here, not
     charged twice (on fake CPU tensors host and device operators cannot be told apart), but each of their calls
     is charged, as one host thread issues them. So the NVMe tier's step, one optimizer call per sub-group
-    (``ZeroOptions.nvme_chunk_mb``), costs more in smaller sub-groups, as it does when run.
+    (``ZeroOptions.nvme_chunk_mb``), costs more in smaller sub-groups, as it does when run. On a CPU the host is
+    the device: the traced operators are the host's own work (its AdamW, its copies into the host tier) and are
+    charged as without offload, each at its factor inside a step; the offload model adds only NVMe's I/O.
     """
     on_gpu = cal.device != "cpu"
     out = {}
     for phase, entries in ops.items():
-        if phase == "after_backward" and offload != "none":
+        if phase == "after_backward" and offload != "none" and on_gpu:
             out[phase] = sum(e["count"] for e in entries) * call_seconds(cal, share)
             continue
         scale = traced_world / world if phase == "after_backward" and sharded_step else 1.0

@@ -19,7 +19,8 @@ and 3Ψ), so one trace serves every world size of a sweep. The model (docs/metho
   (scaled by the cluster's ``overlap``), except one call each (the first gather, the last bucket, which
   nothing can hide); what comes after backward (ZeRO-1/2's parameter all-gather, the norm) is exposed;
 - offload: the PCIe and NVMe bytes the offload placement moves per step (from the ZeRO-Offload formulas,
-  not traced) and the host optimizer step, exposed (no overlap assumed).
+  not traced) and the host optimizer step, exposed (no overlap assumed); on a CPU with operator compute, the
+  host's work is the traced operators' and only NVMe's I/O is added.
 """
 
 from __future__ import annotations
@@ -97,8 +98,13 @@ class StepEstimate:
         )
 
 
-def offload_seconds(*, params: int, world: int, stage: int, offload: str, cluster: Cluster) -> float:
-    """PCIe copies, NVMe reads and writes and the host optimizer step per step, from the offload placement."""
+def offload_seconds(
+    *, params: int, world: int, stage: int, offload: str, cluster: Cluster, host_work_traced: bool = False
+) -> float:
+    """PCIe copies, NVMe reads and writes and the host optimizer step per step, from the offload placement.
+
+    ``host_work_traced``: the traced operators already charge the host's optimizer step and its copies (on a CPU,
+    where the host is the device: ``zbench.plan.simulate.compute.phase_seconds``), so only NVMe's I/O is left."""
     if offload == "none":
         return 0.0
     shard = params / world
@@ -111,6 +117,8 @@ def offload_seconds(*, params: int, world: int, stage: int, offload: str, cluste
         if stage == 3:
             nvme += 2 * 2 * shard  # parameter shard read for each gather
     nvme_per_gpu = cluster.nvme_gb_s_per_node * 1e9 / min(world, cluster.gpus_per_node)
+    if host_work_traced:
+        return nvme / nvme_per_gpu
     return pcie / (cluster.pcie_gb_s * 1e9) + nvme / nvme_per_gpu + shard / cluster.host_adam_params_per_s
 
 
@@ -159,7 +167,10 @@ def estimate(
     exposed_f, hid_f = _exposed(per_phase.get("forward", 0.0), calls.get("forward", 0), forward, overlap["forward"])
     exposed_b, hid_b = _exposed(per_phase.get("backward", 0.0), calls.get("backward", 0), backward, overlap["backward"])
     exposed = exposed_f + exposed_b + per_phase.get("after_backward", 0.0)
-    off = offload_seconds(params=params, world=world, stage=stage, offload=offload, cluster=cluster)
+    off = offload_seconds(
+        params=params, world=world, stage=stage, offload=offload, cluster=cluster,
+        host_work_traced=phase_compute is not None and cluster.on_cpu(),
+    )  # fmt: skip
     step = compute + exposed + off
     comm = sum(per_phase.values())
     return StepEstimate(
