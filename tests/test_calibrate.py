@@ -293,23 +293,27 @@ def test_a_failed_rank_environment_probe_is_one_line(monkeypatch):
         kernels.rank_probes()
 
 
-def test_a_burst_of_load_during_one_pass_of_the_wide_probes_is_outlasted(monkeypatch):
-    """The wide probes run twice, in opposite orders, each keeping its faster pass: a burst that slows the first
-    implementations of one pass (as one calibration read DeepSpeed 169 ms over the reference engine, where runs
-    around it read 67-87) leaves the differences between implementations as a quiet machine measures them. The
-    narrow probes run once."""
+def test_a_burst_of_load_during_one_pass_of_the_probes_is_outlasted(monkeypatch):
+    """Every probe runs twice, in passes of opposite order, each keeping its faster pass: a burst that slows the
+    first implementations of one pass (as one calibration read DeepSpeed 169 ms over the reference engine, where
+    runs around it read 67-87) leaves the differences between implementations as a quiet machine measures them.
+    The narrow probes likewise, each depth on its own (a burst through FSDP2's two-block probe once read 12.8 ms
+    where a quiet machine gave 8.0)."""
     from zbench.plan.calibrate import overheads
 
     quiet = {"deepspeed-s1": 0.210, "zero1-s1": 0.140, "ddp-s0": 0.150}
     calls: list[tuple[str, int]] = []
     first_pass: dict[str, float] = {}
     slowed = {0, 1, 3}  # bursts: through the first two wide probes of the first pass, the first of the second
+    narrow_burst = {1, 2, 6}  # ddp's 6 blocks and deepspeed's 2 in the first narrow pass, zero1's 2 in the second
 
     def one(implementation, stage, blocks, width, heads, timer):
         key = f"{implementation}-s{stage}"
         calls.append((key, width))
         if width == overheads.NARROW:
-            return {"key": key, "blocks": blocks, "width": width, "seconds": quiet[key] / 20, "ops": []}
+            narrow_index = sum(1 for _, w in calls if w == overheads.NARROW) - 1
+            seconds = quiet[key] / 20 * blocks * (1.6 if narrow_index in narrow_burst else 1.0)
+            return {"key": key, "blocks": blocks, "width": width, "seconds": seconds, "ops": []}
         index = sum(1 for _, w in calls if w != overheads.NARROW) - 1
         seconds = quiet[key] * (1.6 if index in slowed else 1.0)
         first_pass.setdefault(key, seconds)
@@ -322,7 +326,9 @@ def test_a_burst_of_load_during_one_pass_of_the_wide_probes_is_outlasted(monkeyp
     assert wide == pytest.approx(quiet)  # neither pass alone, nor the first or the last of each, reads this
     assert wide["deepspeed-s1"] - wide["zero1-s1"] == pytest.approx(0.070)
     assert sum(1 for _, w in calls if w != overheads.NARROW) == 2 * len(quiet)  # two passes
-    assert sum(1 for _, w in calls if w == overheads.NARROW) == 2 * len(quiet)  # two narrow depths, once each
+    assert sum(1 for _, w in calls if w == overheads.NARROW) == 2 * 2 * len(quiet)  # two narrow depths, twice each
+    narrow = {(p["key"], p["blocks"]): p["seconds"] for p in probes if p["width"] == overheads.NARROW}
+    assert narrow == pytest.approx({(k, b): q / 20 * b for k, q in quiet.items() for b in (2, 6)})
     assert [k for k, w in calls if w != overheads.NARROW][3:] == ["zero1-s1", "deepspeed-s1", "ddp-s0"]
     # the first pass alone would have read the burst: DeepSpeed 196 ms over zero1 where the machine gives 70
     assert first_pass["deepspeed-s1"] - first_pass["zero1-s1"] == pytest.approx(0.196)

@@ -10,8 +10,8 @@ Each implementation trains a narrow GPT (width 32, two heads, vocabulary 128, 32
 negligible) at world 1 in a rank's environment, at two depths. Its residual, the measured step less what its
 own operators are charged (the same ledger the trace keeps, at the calibration's costs), is fitted as
 ``per_step + per_block x blocks``; the simulator adds it to a traced case of the same implementation and stage.
-A third, wide probe (width 512, two blocks) is timed too (twice, keeping the faster), and every probe's measured
-step kept: where one implementation is estimated from another's trace (DeepSpeed from the reference engine's,
+A third, wide probe (width 512, two blocks) is timed too, and every probe's measured step kept (each probe
+timed twice, in passes of opposite order, keeping the faster): where one implementation is estimated from another's trace (DeepSpeed from the reference engine's,
 ``zbench.tune.deepspeed_estimate``) the difference of their measured steps is what the estimate adds, operators
 and host work together, and some of it grows with the bytes rather than the modules (on 2 CPU cores DeepSpeed's
 stage-1 step was 3 ms over the reference engine's at width 32 and 35-115 ms at width 512, six runs, 2026-11-29,
@@ -104,7 +104,7 @@ def probed() -> list[tuple[str, int]]:
 
 def probe() -> list[dict[str, Any]]:
     """Every implementation at every probe shape, in a process group of one (run in a rank's environment:
-    ``rank_probes``). The wide probes run twice, in opposite orders, and each keeps its faster pass
+    ``rank_probes``). Every probe runs twice, in passes of opposite order, and each keeps its faster pass
     (``faster_pass``)."""
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
@@ -112,22 +112,26 @@ def probe() -> list[dict[str, Any]]:
         narrow_timer, wide_timer = Timer(torch.device("cpu"), budget_s=0.3), Timer(torch.device("cpu"), WIDE_BUDGET_S)
         each = probed()
         *narrow_shapes, wide = PROBES
-        narrow = [_one(impl, stage, *shape, narrow_timer) for impl, stage in each for shape in narrow_shapes]
-        return narrow + faster_pass([_one(impl, stage, *wide, wide_timer) for impl, stage in each + each[::-1]])
+        twice = each + each[::-1]
+        narrow = [_one(impl, stage, *shape, narrow_timer) for impl, stage in twice for shape in narrow_shapes]
+        return faster_pass(narrow) + faster_pass([_one(impl, stage, *wide, wide_timer) for impl, stage in twice])
     finally:
         dist.destroy_process_group()
 
 
 def faster_pass(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each implementation's faster of its two wide probes. A burst of load from other work only adds time, and
-    what matters is the difference between two implementations' steps (DeepSpeed over its stand-in): one pass
-    ran during a burst and the other not, the faster is the one beside its peers. On 2 CPU cores one calibration
-    read DeepSpeed's stage-1 step 169 ms over the reference engine's where four runs around it read 67-87
-    (2026-11-29: DDP's, probed first, read 1.6 times its usual step in the same pass)."""
-    fastest: dict[str, dict[str, Any]] = {}
+    """Each probe's (implementation's, at one shape) faster of its two passes. A burst of load from other work
+    only adds time, and what matters is the difference between implementations' steps: one pass ran during a
+    burst and the other not, the faster is the one beside its peers. On 2 CPU cores one calibration read
+    DeepSpeed's stage-1 wide step 169 ms over the reference engine's where four runs around it read 67-87
+    (2026-11-29: DDP's, probed first, read 1.6 times its usual step in the same pass); two calibrations twenty
+    minutes apart read FSDP2's narrow two-block step at 12.8 and 8.0 ms where DDP's read 4.3 and 4.0 (2026-11-30),
+    and the fitted host work moved `tiny`'s predicted FSDP2 ratio to DDP by a quarter."""
+    fastest: dict[tuple[str, int, int], dict[str, Any]] = {}
     for p in passes:
-        if p["key"] not in fastest or p["seconds"] < fastest[p["key"]]["seconds"]:
-            fastest[p["key"]] = p
+        shape = (p["key"], p["blocks"], p["width"])
+        if shape not in fastest or p["seconds"] < fastest[shape]["seconds"]:
+            fastest[shape] = p
     return list(fastest.values())
 
 

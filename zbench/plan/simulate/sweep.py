@@ -16,16 +16,16 @@ from zbench.plan.trace.plan import TracedRow
 DEFAULT_SCALES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 #: The step model's median error on a setup's step-time ratio to DDP's, on a calibrated CPU profile (below): the
-#: larger of the two calibrations taken around the runs.
-CALIBRATED_RATIO_ERROR = 0.076
+#: largest of the four calibrations taken around the two validation runs.
+CALIBRATED_RATIO_ERROR = 0.055
 
 #: What each compute model's predictions (``Cluster.compute_model``) measured against runs they were not fitted
 #: to, shown beside them (docs/methods.md#simulation; each figure with its date, machines and data file).
 MEASURED_ERROR = {
-    "calibrated": "measured error on a calibrated CPU profile: step time median 17-26%, worst 45-59% (predicted "
-    "too fast); ratio to DDP median 4.8-7.6%, worst 34-36%, Kendall tau 0.70-0.79 (48 runs, tiny to medium, worlds "
-    "1-2, the 2-core CPU machine, 2026-11-29, each range over two calibrations taken around the runs; "
-    "docs/data/validate_simulator_1129.json)",
+    "calibrated": "measured error on a calibrated CPU profile: step time median 14-23%, worst 45-61% (predicted "
+    "too fast); ratio to DDP median 3.9-5.5%, worst 20-37%, Kendall tau 0.74-0.83 (two runs of 48 cases, tiny to "
+    "medium, worlds 1-2, the 2-core CPU machine, 2026-11-30, each range over the four calibrations taken around "
+    "them; docs/data/validate_simulator_1130.json and validate_simulator_1130b.json)",
     "datasheet": "measured error on datasheet operator rates: all 46 published FSDP runs (torchtitan, fms-fsdp, "
     "llm-foundry; 8-512 A100/H100) ran slower than predicted, by 7-45% (median 29%; 2026-11-27, "
     "docs/data/validate_published.json): read tokens/s as an upper bound",
