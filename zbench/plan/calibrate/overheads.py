@@ -11,13 +11,13 @@ negligible) at world 1 in a rank's environment, at two depths. Its residual, the
 own operators are charged (the same ledger the trace keeps, at the calibration's costs), is fitted as
 ``per_step + per_block x blocks``; the simulator adds it to a traced case of the same implementation and stage.
 A third, wide probe (width 512, two blocks) is timed too, and every probe's measured step kept (each probe
-timed twice, in passes of opposite order, keeping the faster): where one implementation is estimated from another's trace (DeepSpeed from the reference engine's,
-``zbench.tune.deepspeed_estimate``) the difference of their measured steps is what the estimate adds, operators
-and host work together, and some of it grows with the bytes rather than the modules (on 2 CPU cores DeepSpeed's
-stage-1 step was 3 ms over the reference engine's at width 32 and 35-115 ms at width 512, six runs, 2026-11-29,
-where ``small`` and ``medium`` had been predicted 7-13% too fast). The wide
-probe's residual is not fitted: at that width it is mostly the operator model's own error, common to every
-implementation.
+timed twice, in passes of opposite order, keeping the faster): where one implementation is estimated from
+another's trace (DeepSpeed from the reference engine's, ``zbench.tune.deepspeed_estimate``) the difference of
+their measured steps is what the estimate adds, operators and host work together, and some of it grows with the
+bytes rather than the modules (on 2 CPU cores DeepSpeed's stage-1 step was 3 ms over the reference engine's at
+width 32 and 35-115 ms at width 512, six runs, 2026-11-29, where ``small`` and ``medium`` had been predicted
+7-13% too fast). The wide probe's residual is not fitted: at that width it is mostly the operator model's own
+error, common to every implementation.
 The probe model is none of the cases a validation predicts: nothing is fitted to them. At world 1 no collective
 crosses a link, so what this measures is the host's own work; the links are the collective curves' business.
 On a GPU this is not measured (the host's work there overlaps the device's, and the probe would time the
