@@ -332,6 +332,51 @@ def test_an_implementations_host_work_is_its_residual_over_its_operators():
     assert implementation_seconds(cal, "fsdp", 3, 32) == 0.0  # an older calibration
 
 
+def test_what_an_implementations_wide_probe_takes_beyond_ddps_is_charged_per_parameter_element():
+    """The wide probe's remainder (its step less its operators and its narrow fit at its depth) over DDP's, per
+    element of the probe: planted 13 ms for FSDP2 and -3 ms for zero1 come back out; DDP's own remainder, the
+    operator model's error at that width, is charged to nobody; the simulator charges the term on the case's
+    whole parameters. Planted bugs this catches: DDP's remainder not taken off (every term 8 ms higher), the narrow
+    fit not taken off (FSDP2's 4 ms higher than DDP's at two blocks read as per-element work)."""
+    from zbench.cases.model_source import model_info
+    from zbench.plan.calibrate.overheads import NARROW, PROBES, fit, label, probe_shapes
+    from zbench.plan.simulate.compute import case_phase_seconds, implementation_seconds
+    from zbench.plan.trace.plan import make_case
+
+    cal = _calibration()
+    blocks, width, _ = PROBES[-1]
+    _, elements = probe_shapes()[label(blocks, width)]
+    common = 0.008  # the operator model's error at the wide shapes, in every implementation's step
+    narrow_fit = {"ddp-s0": (1e-3, 0.2e-3), "fsdp-s2": (2e-3, 3e-3), "zero1-s1": (0.5e-3, 0.9e-3)}
+    beyond_ddp = {"ddp-s0": 0.0, "fsdp-s2": 0.013, "zero1-s1": -0.003}
+    probes = [
+        {"key": key, "blocks": depth, "width": NARROW, "seconds": per_step + per_block * depth, "ops": []}
+        for key, (per_step, per_block) in narrow_fit.items() for depth in (2, 6)
+    ] + [
+        {"key": key, "blocks": blocks, "width": width, "ops": [],
+         "seconds": per_step + per_block * blocks + common + beyond_ddp[key]}
+        for key, (per_step, per_block) in narrow_fit.items()
+    ]  # fmt: skip
+    overheads = fit(probes, cal)
+    assert {k: o.per_element_us * elements * 1e-6 for k, o in overheads.items()} == pytest.approx(beyond_ddp)
+    with_them = cal.model_copy(update={"overheads": overheads})
+    fsdp = overheads["fsdp-s2"]
+    assert implementation_seconds(with_them, "fsdp", 2, 4, 10**6) == pytest.approx(
+        (fsdp.per_step_us + 4 * fsdp.per_block_us + 10**6 * fsdp.per_element_us) * 1e-6
+    )
+    assert implementation_seconds(with_them, "ddp", 0, 4, 10**9) == implementation_seconds(with_them, "ddp", 0, 4)
+    case = make_case("small", "fsdp", 2, "none", gpus=2, precision="fp32", micro_batch=2, seq_len=64, device="cpu",
+                     checkpointing=False)  # fmt: skip
+    info = model_info("small")
+    charged = case_phase_seconds({}, with_them, case, world=2)["after_backward"]
+    assert charged == pytest.approx(implementation_seconds(with_them, "fsdp", 2, 4, info.parameters))
+    assert charged - implementation_seconds(with_them, "fsdp", 2, 4) == pytest.approx(  # the whole model, not a shard
+        0.013 * info.parameters / elements
+    )
+    without_ddp = fit([p for p in probes if p["key"] != "ddp-s0"], cal)
+    assert all(o.per_element_us == 0 for o in without_ddp.values())  # no reference, no term
+
+
 def test_the_reference_engines_reduce_scatter_is_charged_as_the_all_reduce_it_issues_on_gloo():
     """On gloo the reference engine reduce-scatters by an in-place all-reduce of the input (gloo's own
     reduce-scatter clones the input first: 1.6x the time at 16 MiB here), so a profile calibrated over gloo charges

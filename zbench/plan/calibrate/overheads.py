@@ -16,8 +16,9 @@ another's trace (DeepSpeed from the reference engine's, ``zbench.tune.deepspeed_
 their measured steps is what the estimate adds, operators and host work together, and some of it grows with the
 bytes rather than the modules (on 2 CPU cores DeepSpeed's stage-1 step was 3 ms over the reference engine's at
 width 32 and 35-115 ms at width 512, six runs, 2026-11-29, where ``small`` and ``medium`` had been predicted
-7-13% too fast). The wide probe's residual is not fitted: at that width it is mostly the operator model's own
-error, common to every implementation.
+7-13% too fast). The wide probe's remainder beyond its operators and the narrow fit is mostly the operator
+model's own error at that width, common to every implementation: DDP's is taken as that error, and what each
+implementation's exceeds it by is charged per parameter element (``per_element_beyond``).
 The probe model is none of the cases a validation predicts: nothing is fitted to them. At world 1 no collective
 crosses a link, so what this measures is the host's own work; the links are the collective curves' business.
 On a GPU this is not measured (the host's work there overlaps the device's, and the probe would time the
@@ -47,6 +48,8 @@ from zbench.protocol import TrainSpec
 #: for the measured differences between implementations (head dimension 64, as the presets').
 PROBES = ((2, 32, 2), (6, 32, 2), (2, 512, 8))
 NARROW = PROBES[0][1]
+#: The implementation whose wide-probe remainder is taken as the operator model's own error there (``fit``).
+DDP_KEY = overhead_key("ddp", 0)
 #: Seconds each wide probe repeats its step for, in each of its two passes (at least three steps): at 0.3 s,
 #: three steps of 120-240 ms, DeepSpeed's difference from the reference engine there read 57, 115 and 61 ms in
 #: three runs (2026-11-29).
@@ -136,26 +139,58 @@ def faster_pass(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def fit(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, ImplementationOverhead]:
-    """Each implementation's residual at the narrow probes, as ``per_step + per_block x blocks`` through the two;
+    """Each implementation's residual at the narrow probes, as ``per_step + per_block x blocks`` through the two,
+    and what its wide probe leaves beyond that and beyond DDP's, per parameter element (``per_element_beyond``);
     every probe's measured step kept beside it."""
     residuals: dict[str, dict[int, float]] = {}
+    wide: dict[str, tuple[int, float]] = {}
     measured: dict[str, dict[str, float]] = {}
     for p in probes:
         measured.setdefault(p["key"], {})[label(p["blocks"], p["width"])] = p["seconds"] * 1e6
+        residual = p["seconds"] - sum(op_seconds(e, cal, on_gpu=False) for e in p["ops"])
         if p["width"] == NARROW:
-            charged = sum(op_seconds(e, cal, on_gpu=False) for e in p["ops"])
-            residuals.setdefault(p["key"], {})[p["blocks"]] = p["seconds"] - charged
-    out = {}
-    for name, by_depth in residuals.items():
-        (few, r_few), (many, r_many) = sorted(by_depth.items())
-        per_block = (r_many - r_few) / (many - few)
-        out[name] = ImplementationOverhead(
-            per_step_us=(r_few - per_block * few) * 1e6,
+            residuals.setdefault(p["key"], {})[p["blocks"]] = residual
+        else:
+            wide[p["key"]] = (p["blocks"], residual)
+    narrow = {name: _through_two(by_depth) for name, by_depth in residuals.items()}
+    beyond = {
+        name: residual - (narrow[name][0] + narrow[name][1] * blocks)
+        for name, (blocks, residual) in wide.items() if name in narrow
+    }  # fmt: skip
+    _, wide_elements = probe_shapes()[label(*PROBES[-1][:2])]
+    per_element = per_element_beyond(beyond, DDP_KEY, wide_elements)
+    return {
+        name: ImplementationOverhead(
+            per_step_us=per_step * 1e6,
             per_block_us=per_block * 1e6,
-            residuals_us={str(d): r * 1e6 for d, r in sorted(by_depth.items())},
+            per_element_us=per_element.get(name, 0.0) * 1e6,
+            residuals_us={str(d): r * 1e6 for d, r in sorted(residuals[name].items())},
             measured_us=measured[name],
         )
-    return out
+        for name, (per_step, per_block) in narrow.items()
+    }
+
+
+def _through_two(by_depth: dict[int, float]) -> tuple[float, float]:
+    """``(per_step, per_block)`` seconds of the line through the residuals at the two narrow depths."""
+    (few, r_few), (many, r_many) = sorted(by_depth.items())
+    per_block = (r_many - r_few) / (many - few)
+    return r_few - per_block * few, per_block
+
+
+def per_element_beyond(beyond: dict[str, float], reference: str, elements: int) -> dict[str, float]:
+    """Seconds per parameter element each implementation's wide probe took beyond its operators and its narrow
+    fit, over what the ``reference`` implementation's (DDP's) took beyond its own: that common remainder is the
+    operator model's error at the wide probe's shapes, which every implementation's operators share, and what is
+    left over it grows with the parameters' bytes rather than with the modules (FSDP2's copies into and out of its
+    all-gather and reduce-scatter buffers, outside the traced operators: on 2 CPU cores its wide probe was
+    13-19 ms over DDP's remainder where the other implementations' were within 5 ms, four calibrations of
+    2026-11-30, and FSDP2's ratio to DDP had been predicted 4-17% low at ``small`` and ``medium``). Signed:
+    an implementation that does less per byte than DDP's reducer reads below it. Empty where the reference was not
+    probed."""
+    if reference not in beyond:
+        return {}
+    return {name: (seconds - beyond[reference]) / elements for name, seconds in beyond.items()}
 
 
 def step_difference(mine: ImplementationOverhead, other: ImplementationOverhead) -> tuple[float, float, float] | None:

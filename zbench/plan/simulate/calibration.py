@@ -67,6 +67,11 @@ class ImplementationOverhead(_Frozen):
 
     per_step_us: float
     per_block_us: float
+    per_element_us: float = Field(
+        default=0.0,
+        description="host work per parameter element beyond DDP's, from the wide probe (DDP's own: 0 by definition; "
+        "profiles before schema 6: 0)",
+    )
     residuals_us: dict[str, float] = Field(description="the measured residual at each probed depth (blocks)")
     measured_us: dict[str, float] = Field(
         default_factory=dict,

@@ -19,8 +19,8 @@ Each operator the trace recorded (``zbench.plan.trace.ops``) is charged:
   a GPU the larger of the two (the host launches ahead while the device works).
 
 On a CPU profile each implementation's own host work beyond its operators (hooks, wrappers, Python between the
-operators; ``zbench.plan.calibrate.overheads``) is added to the step, as measured per step and per block; it is
-charged with the optimizer step (``after_backward``), where nothing hides it.
+operators; ``zbench.plan.calibrate.overheads``) is added to the step, as measured per step, per block and per
+parameter element; it is charged with the optimizer step (``after_backward``), where nothing hides it.
 
 The optimizer step (``after_backward``) of a stage that shards it shrinks with the world size: each of the
 trace's operators at ``traced_world`` ranks keeps its calls but has its work scaled by ``traced_world /
@@ -187,13 +187,15 @@ def phase_seconds(
     return out
 
 
-def implementation_seconds(cal: Rates, implementation: str, stage: int, blocks: int) -> float:
-    """The calibrated host work of ``implementation`` at ``stage`` beyond its operators, for a model of
-    ``blocks`` blocks (0 where it was not measured: a GPU profile, a plug-in, an older calibration)."""
+def implementation_seconds(cal: Rates, implementation: str, stage: int, blocks: int, elements: int = 0) -> float:
+    """The calibrated host work of ``implementation`` at ``stage`` beyond its operators, for a model of ``blocks``
+    blocks and ``elements`` parameter elements, each of the unsharded model: FSDP2's copies around its collectives,
+    the bulk of what grows with the elements, are of the whole parameters at any world size (0 where it was not
+    measured: a GPU profile, a plug-in, an older calibration; never below 0)."""
     overhead = cal.overheads.get(overhead_key(implementation, stage))
     if overhead is None:
         return 0.0
-    return max(0.0, (overhead.per_step_us + overhead.per_block_us * blocks) * 1e-6)
+    return max(0.0, (overhead.per_step_us + overhead.per_block_us * blocks + overhead.per_element_us * elements) * 1e-6)
 
 
 def case_phase_seconds(
@@ -207,8 +209,8 @@ def case_phase_seconds(
         ops, cal, traced_world=case.world_size, world=world, sharded_step=case.stage >= 1, offload=case.offload,
         share=share,
     )  # fmt: skip
-    blocks = len(model_info(case.model).block_sizes)
+    info = model_info(case.model)
     out["after_backward"] = out.get("after_backward", 0.0) + implementation_seconds(
-        cal, case.implementation, case.stage, blocks
+        cal, case.implementation, case.stage, len(info.block_sizes), info.parameters
     ) / host_share(share)
     return out
