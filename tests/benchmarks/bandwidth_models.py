@@ -1,9 +1,11 @@
 """Step models side by side on the same measured runs: ``validate_simulator``'s stored cases (its JSON keeps each
 case's measured step and paired ratio, and both profiles) re-predicted from fresh traces with each profile as
 measured (each memory-bound operator charged the bandwidth of its own working set, each operator its factor
-inside a training step where the profile has them), with its operator factors left out (every factor 1: the
-model before ``zbench.plan.calibrate.in_step``), and with its memory probes cut to the largest size (the earlier
-model: every operator at DRAM's rate). DDP's noise twins are left out.
+inside a training step where the profile has them, each implementation's host work per parameter element where it
+has it or, in a profile from before it was kept (schema 6), as ``overheads.fit`` derives it today from the stored
+wide probe and its operators traced afresh), without that element term, with its operator factors left out (every
+factor 1: the model before ``zbench.plan.calibrate.in_step``), and with its memory probes cut to the largest size
+(the earlier model: every operator at DRAM's rate). DDP's noise twins are left out.
 
 ``python -m tests.benchmarks.bandwidth_models docs/data/validate_simulator_sizes.json``
 """
@@ -15,10 +17,15 @@ import statistics
 import sys
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from scipy.stats import kendalltau
 
 from zbench.cases.model_source import model_info
+from zbench.plan.calibrate import overheads
+from zbench.plan.calibrate.timer import Timer
 from zbench.plan.simulate.calibrated import predict_step
+from zbench.plan.simulate.calibration import overhead_key
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.trace.plan import TracedRow, make_case, trace_plan
 
@@ -49,6 +56,44 @@ def without_factors(profile: dict[str, Any]) -> Cluster:
     return with_calibration(profile, operator_factors={})
 
 
+def wide_probe_ops(keys: set[str]) -> dict[str, list[dict[str, Any]]]:
+    """The operators of one step of each implementation's wide probe (``overheads._one``), traced now."""
+    blocks, width, heads = overheads.PROBES[-1]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        timer = Timer(torch.device("cpu"), budget_s=0.01)
+        return {key: overheads._one(key.rsplit("-s", 1)[0], int(key.rsplit("-s", 1)[1]), blocks, width, heads,
+                                    timer)["ops"] for key in sorted(keys)}  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def with_element_term(profile: dict[str, Any], wide_ops: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """``profile`` as it stands where it has the element term, else with the term ``overheads.fit`` would have
+    fitted from its stored probes (narrow residuals, wide steps) and ``wide_ops``."""
+    stored = profile["calibration"]["overheads"]
+    if any("per_element_us" in o for o in stored.values()):
+        return profile
+    blocks, width, _ = overheads.PROBES[-1]
+    probes = [
+        {"key": key, "blocks": int(depth), "width": overheads.NARROW, "seconds": us * 1e-6, "ops": []}
+        for key in wide_ops for depth, us in stored[key]["residuals_us"].items()
+    ] + [
+        {"key": key, "blocks": blocks, "width": width, "ops": ops,
+         "seconds": stored[key]["measured_us"][overheads.label(blocks, width)] * 1e-6}
+        for key, ops in wide_ops.items()
+    ]  # fmt: skip
+    fitted = overheads.fit(probes, Cluster.model_validate(profile).calibration)
+    terms = {key: {**o, "per_element_us": fitted[key].per_element_us if key in fitted else 0.0}
+             for key, o in stored.items()}  # fmt: skip
+    return {**profile, "calibration": {**profile["calibration"], "overheads": terms}}
+
+
+def without_element_term(profile: dict[str, Any]) -> Cluster:
+    terms = {key: {**o, "per_element_us": 0.0} for key, o in profile["calibration"]["overheads"].items()}
+    return with_calibration(profile, overheads=terms)
+
+
 def summary(profile: Cluster, rows: dict[str, TracedRow], measured: dict[str, dict[str, Any]]) -> str:
     predicted = {case_id: predict_step(row, profile, cores=2).step_s for case_id, row in rows.items()}
     step_errors = [abs(predicted[c] / m["measured_s"] - 1) for c, m in measured.items()]
@@ -70,10 +115,13 @@ def main() -> None:
     document = json.loads(open(sys.argv[1]).read())
     measured = {p["case_id"]: p for p in dict(document["cases"])["before"] if not p["case_id"].endswith("-twin")}
     rows = {case_id: traced(case_id) for case_id in measured}
+    keys = {overhead_key(r.case.implementation, r.case.stage) for r in rows.values()}
+    wide_ops = wide_probe_ops(keys)
     for name in ("before", "after"):
-        profile = document["profiles"][name]
+        profile = with_element_term(document["profiles"][name], wide_ops)
         models = (
             ("as measured", Cluster.model_validate(profile)),
+            ("no elements", without_element_term(profile)),
             ("no factors", without_factors(profile)),
             ("largest only", largest_probe_only(profile)),
         )

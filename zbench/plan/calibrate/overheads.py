@@ -183,9 +183,9 @@ def per_element_beyond(beyond: dict[str, float], reference: str, elements: int) 
     fit, over what the ``reference`` implementation's (DDP's) took beyond its own: that common remainder is the
     operator model's error at the wide probe's shapes, which every implementation's operators share, and what is
     left over it grows with the parameters' bytes rather than with the modules (FSDP2's copies into and out of its
-    all-gather and reduce-scatter buffers, outside the traced operators: on 2 CPU cores its wide probe was
-    13-19 ms over DDP's remainder where the other implementations' were within 5 ms, four calibrations of
-    2026-11-30, and FSDP2's ratio to DDP had been predicted 4-17% low at ``small`` and ``medium``). Signed:
+    all-gather and reduce-scatter buffers and their fresh pages, outside the traced operators: on 2 CPU cores its
+    wide probe was 4-24 ms over DDP's remainder in six calibrations of 2026-11-30, where its ratio to DDP had been
+    predicted up to 17% low at ``small`` and ``medium``; docs/methods.md, the eleventh validation pass). Signed:
     an implementation that does less per byte than DDP's reducer reads below it. Empty where the reference was not
     probed."""
     if reference not in beyond:
