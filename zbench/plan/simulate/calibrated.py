@@ -34,8 +34,11 @@ class CalibratedPrediction(Prediction):
     """A case's step prediction (``comm_s`` the exposed communication), with its ratio to DDP next to the
     measured one."""
 
+    model: str | None = None
     measured_ratio: float | None
     predicted_ratio: float | None
+    reference_case: str | None = None
+    """The DDP case of the same group both ratios are to, where it ran and was traced."""
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -90,9 +93,11 @@ def predict_calibrated(
         out.append(
             CalibratedPrediction(
                 case_id=record.case_id, implementation=record.config.implementation, world=record.config.world_size,
+                model=record.config.model,
                 measured_s=measured, predicted_s=mine.step_s, comm_s=mine.exposed_comm_s,
                 measured_ratio=record.ratio_to_ddp,
                 predicted_ratio=mine.step_s / ref_step.step_s if ok_ref and ref_step is not None else None,
+                reference_case=ref_id if ok_ref else None,
             )
         )  # fmt: skip
     return out
