@@ -332,3 +332,46 @@ def test_a_burst_of_load_during_one_pass_of_the_probes_is_outlasted(monkeypatch)
     assert [k for k, w in calls if w != overheads.NARROW][3:] == ["zero1-s1", "deepspeed-s1", "ddp-s0"]
     # the first pass alone would have read the burst: DeepSpeed 196 ms over zero1 where the machine gives 70
     assert first_pass["deepspeed-s1"] - first_pass["zero1-s1"] == pytest.approx(0.196)
+
+
+def test_a_probes_operators_read_untimed_are_those_its_timed_run_records():
+    """``probe_ops`` (what re-fitting a stored profile's probes traces) builds, warms and records a probe as the
+    timed ``_one`` does, without timing it."""
+    import torch
+    import torch.distributed as dist
+
+    from zbench.plan.calibrate import overheads
+    from zbench.plan.calibrate.timer import Timer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        timed = overheads._one("zero1", 1, 2, overheads.NARROW, 2, Timer(torch.device("cpu"), budget_s=0.01))
+        untimed = overheads.probe_ops("zero1", 1, 2, overheads.NARROW, 2)
+    finally:
+        dist.destroy_process_group()
+    assert untimed == timed["ops"]
+    assert any(e["op"] in ("mm", "addmm") for e in untimed)  # the probe's products, not an empty ledger
+
+
+def test_a_burst_of_load_while_the_threads_are_timed_is_outlasted(monkeypatch):
+    """Each thread count is timed twice, in passes of opposite order, keeping its faster: a burst through the
+    first two-thread pass (a calibration once read 0.72, two threads slower than one) leaves the quiet speed-up."""
+    import torch
+
+    from zbench.plan.calibrate import kernels
+
+    quiet = {1: 0.010, 2: 0.006}
+    calls: list[int] = []
+
+    class BurstTimer:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def median_s(self, fn):
+            threads = torch.get_num_threads()
+            calls.append(threads)
+            return quiet[threads] * (2.5 if len(calls) == 2 else 1.0)
+
+    monkeypatch.setattr(kernels, "Timer", BurstTimer)
+    assert kernels.thread_speedup(2) == pytest.approx(0.010 / 0.006)
+    assert calls == [1, 2, 2, 1]

@@ -17,13 +17,11 @@ import statistics
 import sys
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from scipy.stats import kendalltau
 
 from zbench.cases.model_source import model_info
 from zbench.plan.calibrate import overheads
-from zbench.plan.calibrate.timer import Timer
 from zbench.plan.simulate.calibrated import predict_step
 from zbench.plan.simulate.calibration import overhead_key
 from zbench.plan.simulate.cluster import Cluster
@@ -57,13 +55,11 @@ def without_factors(profile: dict[str, Any]) -> Cluster:
 
 
 def wide_probe_ops(keys: set[str]) -> dict[str, list[dict[str, Any]]]:
-    """The operators of one step of each implementation's wide probe (``overheads._one``), traced now."""
-    blocks, width, heads = overheads.PROBES[-1]
+    """The operators of one step of each implementation's wide probe (``overheads.probe_ops``), traced now."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        timer = Timer(torch.device("cpu"), budget_s=0.01)
-        return {key: overheads._one(key.rsplit("-s", 1)[0], int(key.rsplit("-s", 1)[1]), blocks, width, heads,
-                                    timer)["ops"] for key in sorted(keys)}  # fmt: skip
+        return {key: overheads.probe_ops(key.rsplit("-s", 1)[0], int(key.rsplit("-s", 1)[1]), *overheads.PROBES[-1])
+                for key in sorted(keys)}  # fmt: skip
     finally:
         dist.destroy_process_group()
 

@@ -28,6 +28,8 @@ launches instead).
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -57,8 +59,9 @@ WIDE_BUDGET_S = 0.8
 VOCAB, TOKENS, BATCH = 128, 32, 4
 
 
-def _one(implementation: str, stage: int, blocks: int, width: int, heads: int, timer: Timer) -> dict[str, Any]:
-    """Build, warm and time one probe; its measured median step and the operators of one step."""
+@contextmanager
+def _probe_engine(implementation: str, stage: int, blocks: int, width: int, heads: int) -> Iterator[tuple[Any, list]]:
+    """One probe's engine, built and warmed (optimizer state, buffers, hooks' first calls), and its batch."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=blocks, d_model=width, heads=heads, vocab=VOCAB, seq=TOKENS))
     spec = TrainSpec(device=torch.device("cpu"), stage=stage, lr=1e-4, options=_probe_options(implementation, model))
@@ -66,18 +69,35 @@ def _one(implementation: str, stage: int, blocks: int, width: int, heads: int, t
     tokens = torch.randint(0, VOCAB, (BATCH, TOKENS + 1))
     batch = [(tokens[:, :-1], tokens[:, 1:])]
     try:
-        for _ in range(3):  # optimizer state, buffers, hooks' first calls
+        for _ in range(3):
             engine.step(batch)
-        ledger = OpLedger()
-        with ledger:
-            ledger.start_step()
-            engine.step(batch)
-            ops = [e for entries in ledger.take().values() for e in entries]
-        seconds = timer.median_s(lambda: engine.step(batch))
-        return {"key": overhead_key(implementation, stage), "blocks": blocks, "width": width, "seconds": seconds,
-                "ops": ops}  # fmt: skip
+        yield engine, batch
     finally:
         engine.close()
+
+
+def _step_ops(engine: Any, batch: list) -> list[dict[str, Any]]:
+    ledger = OpLedger()
+    with ledger:
+        ledger.start_step()
+        engine.step(batch)
+        return [e for entries in ledger.take().values() for e in entries]
+
+
+def _one(implementation: str, stage: int, blocks: int, width: int, heads: int, timer: Timer) -> dict[str, Any]:
+    """Build, warm and time one probe; its measured median step and the operators of one step."""
+    with _probe_engine(implementation, stage, blocks, width, heads) as (engine, batch):
+        ops = _step_ops(engine, batch)
+        seconds = timer.median_s(lambda: engine.step(batch))
+    return {"key": overhead_key(implementation, stage), "blocks": blocks, "width": width, "seconds": seconds,
+            "ops": ops}  # fmt: skip
+
+
+def probe_ops(implementation: str, stage: int, blocks: int, width: int, heads: int) -> list[dict[str, Any]]:
+    """One step's operators of a probe, untimed, as ``_one`` records them (in a process group, e.g. of one): what
+    re-fitting a stored profile's probes needs (``tests/benchmarks/bandwidth_models.py``)."""
+    with _probe_engine(implementation, stage, blocks, width, heads) as (engine, batch):
+        return _step_ops(engine, batch)
 
 
 def _probe_options(implementation: str, model: torch.nn.Module) -> dict[str, Any]:
