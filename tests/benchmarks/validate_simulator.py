@@ -176,7 +176,7 @@ def main() -> None:
               f"{q.predicted_s * 1e3:.1f} ({q.error:+.0%}) | {ratio} | {pred} |")  # fmt: skip
     document = {
         "summary": {name: summarise(preds) for name, preds in results.items()},
-        "ratio_agreement": ratio_agreement(results["before"]),
+        "ratio_agreement": ratio_agreement(results["before"]),  # measured: either profile's; predicted: the first
         "repeats": args.repeats,
         "repeat_spread": {"median": statistics.median(spread.values()), "worst": max(spread.values()), "cases": spread},
         "baseline_measured_compute": stats([b.error for b in baseline if b.implementation != "ddp"]),

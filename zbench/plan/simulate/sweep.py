@@ -26,10 +26,10 @@ MEASURED_ERROR = {
     "calibrated": "measured error on a calibrated CPU profile: step time median 11-20%, worst 44-61% (predicted "
     "too fast); ratio to DDP median 3.2-4.9%, worst 23-40%, Kendall tau 0.77-0.86 (three runs of 48 cases, tiny to "
     "medium, worlds 1-2, the 2-core CPU machine, 2026-11-30, each range over the six calibrations taken around "
-    "them; docs/data/validate_simulator_1130.json, _1130b.json and _1130c.json); at small and medium alone the "
-    "ratio's median 1.8-3.7%, worst 8-14%, and at small over worlds 1-4, fp32 and bf16, with and without "
-    "checkpointing (72 ratios, _1130d.json) median 2.6-3.5%, worst 16-17%; every worse case is tiny's, whose "
-    "measured ratio read two ways (paired rounds, step medians) differs by up to 42%",
+    "them; docs/data/validate_simulator_1130.json, _1130b.json and _1130c.json): in those runs every ratio error "
+    "over 14% is tiny's, whose measured ratio read two ways (paired rounds, step medians) differs by up to 42%; at "
+    "small over worlds 1-4, fp32 and bf16, with and without checkpointing (96 cases, _1130d.json) the ratio's "
+    "median 2.6-3.5%, worst 16-17%, the step's median 30% (bf16 predicted at about half its time)",
     "datasheet": "measured error on datasheet operator rates: all 46 published FSDP runs (torchtitan, fms-fsdp, "
     "llm-foundry; 8-512 A100/H100) ran slower than predicted, by 7-45% (median 29%; 2026-11-27, "
     "docs/data/validate_published.json): read tokens/s as an upper bound",
