@@ -26,8 +26,8 @@ def memory_bandwidth_at(cal: Calibration, moved: int) -> float:
     return memory_bandwidth(cal, moved) / 1e9
 
 
-def entry(op: str, nbytes: int, count: int = 1, flops: int = 0) -> dict:
-    return {"op": op, "dtype": "float32", "shapes": [], "flops": flops, "bytes": nbytes, "mapped_bytes": 0,
+def entry(op: str, nbytes: int, count: int = 1, flops: int = 0, dtype: str = "float32") -> dict:
+    return {"op": op, "dtype": dtype, "shapes": [], "flops": flops, "bytes": nbytes, "mapped_bytes": 0,
             "count": count}  # fmt: skip
 
 
@@ -92,13 +92,47 @@ def test_the_step_model_multiplies_an_operators_work_by_its_factor_between_probe
     assert operator_factor(calibration(operator_factors={"mm": [(2 * 64**3, 1.2)]}), mm) == pytest.approx(1.2)
 
 
-def test_a_probe_step_times_the_operators_a_transformer_step_runs():
-    """The quick probe, for real: GELU, the products and the optimizer's operators are timed, each factor within
-    the clamp."""
+def test_an_autocast_probe_keeps_factors_only_for_operators_that_ran_in_its_dtype_alone():
+    """Under autocast the products and GELU run in bf16, the optimizer in fp32, and a reduction may see both: only
+    the first get ``<op>:bfloat16``; the others keep the fp32 probe's factor, never one learned from a mix."""
     cal = calibration()
-    (probe,) = in_step.probe(quick=True)
-    assert {"gelu", "gelu_backward", "addmm", "mm", "lerp_"} <= set(probe["measured"])
-    factors = in_step.factors([probe], cal)
-    assert {"gelu", "addmm", "mm"} <= set(factors)
+
+    def measured(*entries: dict, factor: float) -> dict:
+        return {e["op"]: (e["count"] * (factor * work_seconds(e, cal, on_gpu=False) + 5e-6) * 1e6, e["count"])
+                for e in entries}  # fmt: skip
+
+    gelu32, lerp32 = entry("gelu", 2**22, count=2), entry("lerp_", 2**22, count=2)
+    gelu16, lerp16 = entry("gelu", 2**21, count=2, dtype="bfloat16"), entry("lerp_", 2**22, count=2)
+    sum16, sum32 = entry("sum", 2**22, dtype="bfloat16"), entry("sum", 2**22)
+    fp32 = {"dtype": "float32", "entries": [gelu32, lerp32], "measured": measured(gelu32, lerp32, factor=1.5)}
+    bf16 = {"dtype": "bfloat16", "entries": [gelu16, lerp16, sum16, sum32],
+            "measured": measured(gelu16, lerp16, sum16, factor=4.0)}  # fmt: skip
+    factors = in_step.factors([fp32, bf16], cal)
+    assert set(factors) == {"gelu", "lerp_", "gelu:bfloat16"}
+    assert factors["gelu"][0][1] == pytest.approx(1.5) and factors["lerp_"][0][1] == pytest.approx(1.5)
+    assert factors["gelu:bfloat16"][0][1] == pytest.approx(4.0)
+    legacy = {k: v for k, v in fp32.items() if k != "dtype"}  # a probe stored before autocast was probed: fp32
+    assert in_step.factors([legacy], cal) == in_step.factors([fp32], cal)
+
+
+def test_an_operator_takes_its_dtypes_factor_and_else_the_fp32_one():
+    cal = calibration(operator_factors={"gelu": [(2**20, 1.5)], "gelu:bfloat16": [(2**20, 4.0)], "mm": [(1, 1.2)]})
+    assert operator_factor(cal, entry("gelu", 2**20, dtype="bfloat16")) == pytest.approx(4.0)
+    assert operator_factor(cal, entry("gelu", 2**20)) == pytest.approx(1.5)  # fp32 never takes bf16's
+    assert operator_factor(cal, entry("gelu", 2**20, dtype="float16")) == pytest.approx(1.5)  # not probed: fp32's
+    assert operator_factor(cal, entry("mm", 0, flops=10, dtype="bfloat16")) == pytest.approx(1.2)
+
+
+def test_a_probe_step_times_the_operators_a_transformer_step_runs():
+    """The quick probes, for real: GELU, the products and the optimizer's operators are timed, each factor within
+    the clamp, in fp32 and again under bf16 autocast, where the products and GELU get factors of their own."""
+    cal = calibration()
+    fp32, bf16 = in_step.probe(quick=True)
+    assert (fp32["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
+    assert {"gelu", "gelu_backward", "addmm", "mm", "lerp_"} <= set(fp32["measured"])
+    assert {e["dtype"] for e in bf16["entries"] if e["op"] == "addmm"} == {"bfloat16"}
+    factors = in_step.factors([fp32, bf16], cal)
+    assert {"gelu", "addmm", "mm", "addmm:bfloat16"} <= set(factors)
+    assert "lerp_:bfloat16" not in factors  # the optimizer steps fp32 parameters under autocast too
     low, high = in_step.FACTOR_RANGE
     assert all(low <= f <= high for points in factors.values() for _, f in points)

@@ -28,12 +28,19 @@ from typing import Any
 
 import torch
 
+from zbench.plan.calibrate.kernels import dtype_name
 from zbench.plan.simulate.calibration import Calibration
 from zbench.plan.trace.ops import OpLedger
 
 #: (width, tokens per step) of the probe models: on a CPU two sizes that bracket a small and a mid-size block.
 PROBES = ((384, 512), (1024, 2048))
 QUICK_PROBES = ((256, 256),)
+#: The reduced precision a CPU rank computes in under autocast (``zbench.implementations._common.autocast``),
+#: probed once more at the first probe shape. Its operators' factors are kept under ``<op>:<dtype>``
+#: (``compute.operator_factor`` looks there first): on the 2-core machine, 2026-11-30, the CPU's fused attention
+#: took 0.7-0.9 times its charge in fp32 but 2-3.3 times it in bf16, and ``small``'s bf16 steps, charged with
+#: the fp32 factors, were predicted a median 35% short where its fp32 steps were 20% short.
+AUTOCAST_DTYPES = (torch.bfloat16,)
 BLOCKS, VOCAB, SEQ = 2, 4096, 128
 #: Identical steps profiled per probe, each operator's time their median: one step's optimizer operators read
 #: 1.4-1.8 times their charge in one calibration and 2.2-3.5 in the next (2026-11-30).
@@ -46,13 +53,16 @@ FACTOR_RANGE = (0.1, 10.0)
 
 
 def probe(quick: bool = False) -> list[dict[str, Any]]:
-    """For each probe shape: one step's ledger (``OpLedger.take``'s entries) and each ledger operator's time in the
-    next ``PROFILED_STEPS`` identical steps, their median (microseconds and calls, ``measured``). Runs in a rank's
-    environment (one thread, glibc's mmap threshold pinned: ``zbench.plan.calibrate.kernels.rank_probes``)."""
-    return [_probe_one(width, tokens) for width, tokens in (QUICK_PROBES if quick else PROBES)]
+    """For each probe shape in fp32, then the first under autocast to each of ``AUTOCAST_DTYPES``: one step's ledger
+    (``OpLedger.take``'s entries) and each ledger operator's time in the next ``PROFILED_STEPS`` identical steps,
+    their median (microseconds and calls, ``measured``). Runs in a rank's environment (one thread, glibc's mmap
+    threshold pinned: ``zbench.plan.calibrate.kernels.rank_probes``)."""
+    shapes = QUICK_PROBES if quick else PROBES
+    full = [_probe_one(width, tokens, torch.float32) for width, tokens in shapes]
+    return full + [_probe_one(*shapes[0], dtype) for dtype in AUTOCAST_DTYPES]
 
 
-def _probe_one(width: int, tokens: int) -> dict[str, Any]:
+def _probe_one(width: int, tokens: int, dtype: torch.dtype) -> dict[str, Any]:
     from zbench.cases.models import GPT
     from zbench.presets import GPTConfig
     from zbench.protocol import TrainSpec
@@ -63,7 +73,9 @@ def _probe_one(width: int, tokens: int) -> dict[str, Any]:
     ids = torch.randint(0, VOCAB, (max(1, tokens // SEQ), SEQ + 1))
 
     def step() -> None:
-        model(ids[:, :-1], ids[:, 1:]).backward()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -81,7 +93,7 @@ def _probe_one(width: int, tokens: int) -> dict[str, Any]:
             step()
         profiled.append(claimed_times(prof.events(), recorded))
     measured = {op: (statistics.median(p[op][0] for p in profiled), profiled[0][op][1]) for op in profiled[0]}
-    return {"width": width, "tokens": tokens, "entries": entries, "measured": measured}
+    return {"width": width, "tokens": tokens, "dtype": dtype_name(dtype), "entries": entries, "measured": measured}
 
 
 def claimed_times(events: Any, recorded: set[str]) -> dict[str, tuple[float, int]]:
@@ -107,21 +119,33 @@ def claimed_times(events: Any, recorded: set[str]) -> dict[str, tuple[float, int
 
 def factors(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, list[tuple[float, float]]]:
     """``{op: [(size per call, factor), ...]}`` by increasing size (FLOPs for an operator that has them, else
-    bytes moved): the measured time less its calls' dispatch cost, over the work ``cal``'s tables charge it."""
+    bytes moved): the measured time less its calls' dispatch cost, over the work ``cal``'s tables charge it.
+
+    A probe under autocast (``dtype`` other than float32) adds ``<op>:<dtype>`` for each operator that ran only in
+    that dtype there; one that ran in fp32 too (the optimizer's, layer norm, or a mix) keeps the fp32 probes'
+    factor, as the profiler's time of an operator cannot be split by dtype."""
     from zbench.plan.simulate.compute import call_seconds, work_seconds
 
     out: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for p in probes:
+        probe_dtype = p.get("dtype", "float32")  # probes recorded before autocast was probed: fp32
         charged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # work, size x calls, calls
+        dtypes: dict[str, set[str]] = defaultdict(set)
         for e in p["entries"]:
             c = charged[e["op"]]
             c[0] += work_seconds(e, cal, on_gpu=False) * e["count"]
             c[1] += (e["flops"] or e["bytes"]) * e["count"]
             c[2] += e["count"]
+            dtypes[e["op"]].add(e["dtype"])
         for op, (us, calls) in p["measured"].items():
             work, sized, counted = charged[op]
             if work < MIN_WORK_S or counted == 0:
                 continue
+            key = op
+            if probe_dtype != "float32":
+                if dtypes[op] != {probe_dtype}:
+                    continue
+                key = f"{op}:{probe_dtype}"
             factor = (us * 1e-6 - calls * call_seconds(cal)) / work
-            out[op].append((sized / counted, min(max(factor, FACTOR_RANGE[0]), FACTOR_RANGE[1])))
+            out[key].append((sized / counted, min(max(factor, FACTOR_RANGE[0]), FACTOR_RANGE[1])))
     return {op: sorted(points) for op, points in sorted(out.items()) if all(math.isfinite(f) for _, f in points)}

@@ -128,5 +128,6 @@ class Calibration(_Frozen):
         default_factory=dict,
         description="on a CPU: each operator's time inside a profiled training step over what the tables charge "
         "it, as [size per call (FLOPs, else bytes moved), factor] by probe size (zbench.plan.calibrate.in_step; "
+        "'<op>:<dtype>' for an operator probed under autocast, which older profiles lack: the fp32 factor then; "
         "profiles before schema 5: none, every factor 1)",
     )

@@ -13,7 +13,8 @@ Each operator the trace recorded (``zbench.plan.trace.ops``) is charged:
   zbench's CPU ranks map every block of 128 KiB or more, ``zbench.measure.memory``), added to its work;
 - each operator's work times its factor where the calibration measured one (``operator_factors``: the
   operator's time inside a profiled training step over what the tables charge it, ``zbench.plan.calibrate.
-  in_step``: GELU computes more per byte than ``add``, the optimizer's operators stream from memory);
+  in_step``: GELU computes more per byte than ``add``, the optimizer's operators stream from memory; in bf16 a
+  CPU's fused attention runs far slower per FLOP than its products, so a reduced precision has factors of its own);
 - every call, the calibrated cost of an operator of negligible work inside a training step (``op_call_us``:
   autograd, module calls, the optimizer's loop): on a CPU added to the work (the same thread does both), on
   a GPU the larger of the two (the host launches ahead while the device works).
@@ -128,8 +129,12 @@ def operator_factor(cal: Rates, entry: dict[str, Any]) -> float:
     Past the largest probe a memory-bound operator keeps the rate it ran at there, not its factor: the tables'
     rate falls as a working set outgrows the caches, and the probe's factor already carries that fall (a step
     finds its tensors cold, the tables' repeats warm), so applying it to the lower rate again would count the
-    fall twice (AdamW over ``medium``'s 25 MB embedding was charged twice its time that way)."""
-    points = cal.operator_factors.get(entry["op"])
+    fall twice (AdamW over ``medium``'s 25 MB embedding was charged twice its time that way).
+
+    An operator in a reduced precision takes its dtype's own factor where the calibration probed one
+    (``<op>:<dtype>``, ``in_step.AUTOCAST_DTYPES``), else the fp32 probes'."""
+    factors = cal.operator_factors
+    points = factors.get(f"{entry['op']}:{entry['dtype']}") or factors.get(entry["op"])
     if not points:
         return 1.0
     size = entry["flops"] or entry["bytes"]
