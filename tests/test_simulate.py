@@ -179,22 +179,27 @@ def test_trace_on_cuda_without_cuda_is_refused_in_one_line(cli):
     assert r.returncode == 2 and "--device cuda" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def validated(
+    model: str, impl: str, measured_s: float, predicted_s: float, ratio: float, predicted: float, ref: str | None = None
+):
+    """One case of a validation run (``model-impl`` at world 2): measured and predicted step and ratio to DDP."""
+    from zbench.plan.simulate.calibrated import CalibratedPrediction
+
+    return CalibratedPrediction(case_id=f"{model}-{impl}", model=model, implementation=impl, world=2,
+                                measured_s=measured_s, predicted_s=predicted_s, comm_s=0.0, measured_ratio=ratio,
+                                predicted_ratio=predicted, reference_case=ref)  # fmt: skip
+
+
 def test_the_measured_ratios_two_readings_are_set_against_each_other_and_the_prediction():
     """validate_simulator reports how far a case's paired ratio to DDP lies from its step medians' ratio: the
     floor under any ratio error it states. A case whose readings agree reads 0; one whose paired rounds read
     20% over its step medians reads +0.2; DDP itself, and a case without its DDP reference, are left out."""
     from tests.benchmarks.validate_simulator import ratio_agreement
-    from zbench.plan.simulate.calibrated import CalibratedPrediction
 
-    def case(case_id: str, impl: str, measured_s: float, ratio: float | None, predicted: float | None, ref: str | None):
-        return CalibratedPrediction(case_id=case_id, implementation=impl, world=2, measured_s=measured_s,
-                                    predicted_s=1.0, comm_s=0.0, measured_ratio=ratio, predicted_ratio=predicted,
-                                    reference_case=ref)  # fmt: skip
-
-    ddp = case("t-ddp", "ddp", 0.010, 1.0, 1.0, "t-ddp")
-    agreeing = case("t-zero1", "zero1", 0.015, 1.5, 1.5, "t-ddp")
-    paired_over = case("t-fsdp", "fsdp", 0.030, 3.6, 2.7, "t-ddp")  # step medians' ratio 3.0
-    orphan = case("t-zero3", "zero3", 0.050, 9.0, 1.0, "gone-ddp")
+    ddp = validated("t", "ddp", 0.010, 1.0, 1.0, 1.0, ref="t-ddp")
+    agreeing = validated("t", "zero1", 0.015, 1.0, 1.5, 1.5, ref="t-ddp")
+    paired_over = validated("t", "fsdp", 0.030, 1.0, 3.6, 2.7, ref="t-ddp")  # step medians' ratio 3.0
+    orphan = validated("t", "zero3", 0.050, 1.0, 9.0, 1.0, ref="gone-ddp")
     out = ratio_agreement([ddp, agreeing, paired_over, orphan])
     assert out["paired_vs_step_medians"] == pytest.approx({"cases": 2, "median_abs": 0.1, "worst_abs": 0.2})
     assert out["predicted_vs_step_medians"] == pytest.approx({"cases": 2, "median_abs": 0.05, "worst_abs": 0.1})
@@ -204,20 +209,14 @@ def test_the_measured_ratios_two_readings_are_set_against_each_other_and_the_pre
 
 def test_validation_errors_are_summarised_over_all_cases_and_per_model():
     from tests.benchmarks.validate_simulator import summarise
-    from zbench.plan.simulate.calibrated import CalibratedPrediction
-
-    def case(model: str, impl: str, measured_s: float, predicted_s: float, ratio: float, predicted: float):
-        return CalibratedPrediction(case_id=f"{model}-{impl}", model=model, implementation=impl, world=2,
-                                    measured_s=measured_s, predicted_s=predicted_s, comm_s=0.0,
-                                    measured_ratio=ratio, predicted_ratio=predicted)  # fmt: skip
 
     cases = [
-        case("tiny", "ddp", 0.010, 0.006, 1.0, 1.0),  # step -40%
-        case("tiny", "fsdp", 0.036, 0.014, 3.6, 2.4),  # ratio -33%
-        case("tiny", "zero1", 0.013, 0.007, 1.3, 1.2),
-        case("small", "ddp", 0.200, 0.180, 1.0, 1.0),  # step -10%
-        case("small", "fsdp", 0.280, 0.252, 1.4, 1.33),  # ratio -5%
-        case("small", "zero1", 0.210, 0.189, 1.05, 1.05),
+        validated("tiny", "ddp", 0.010, 0.006, 1.0, 1.0),  # step -40%
+        validated("tiny", "fsdp", 0.036, 0.014, 3.6, 2.4),  # ratio -33%
+        validated("tiny", "zero1", 0.013, 0.007, 1.3, 1.2),
+        validated("small", "ddp", 0.200, 0.180, 1.0, 1.0),  # step -10%
+        validated("small", "fsdp", 0.280, 0.252, 1.4, 1.33),  # ratio -5%
+        validated("small", "zero1", 0.210, 0.189, 1.05, 1.05),
     ]
     out = summarise(cases)
     assert out["ratio"]["cases"] == 4 and out["ratio"]["worst_abs"] == pytest.approx(1 / 3)

@@ -4,8 +4,9 @@ measured (each memory-bound operator charged the bandwidth of its own working se
 inside a training step where the profile has them, each implementation's host work per parameter element where it
 has it or, in a profile from before it was kept (schema 6), as ``overheads.fit`` derives it today from the stored
 wide probe and its operators traced afresh), without that element term, with its operator factors left out (every
-factor 1: the model before ``zbench.plan.calibrate.in_step``), and with its memory probes cut to the largest size
-(the earlier model: every operator at DRAM's rate). DDP's noise twins are left out.
+factor 1: the model before ``zbench.plan.calibrate.in_step``), with its fp32 factors alone (a bf16 operator at its
+fp32 factor: the model before the autocast probe), and with its memory probes cut to the largest size (the earlier
+model: every operator at DRAM's rate). DDP's noise twins are left out.
 
 ``python -m tests.benchmarks.bandwidth_models docs/data/validate_simulator_sizes.json``
 """
@@ -29,11 +30,12 @@ from zbench.plan.trace.plan import TracedRow, make_case, trace_plan
 
 
 def traced(case_id: str) -> TracedRow:
-    """The validation suite's case (micro-batch 4, the model's sequence, fp32, no offload) traced at its world."""
-    model, implementation, stage, world = case_id.split("-")[:4]
-    case = make_case(model, implementation, int(stage[1:]), "none", gpus=int(world[1:]), precision="fp32",
+    """The validation suite's case (micro-batch 4, the model's sequence) traced at its world, its precision,
+    offload and activation checkpointing read off its id (``small-zero3-s3-w2-bf16-none-ckpt``)."""
+    model, implementation, stage, world, precision, offload, *rest = case_id.split("-")
+    case = make_case(model, implementation, int(stage[1:]), offload, gpus=int(world[1:]), precision=precision,
                      micro_batch=4, seq_len=model_info(model).default_seq_len, device="cpu",
-                     checkpointing=False)  # fmt: skip
+                     checkpointing="ckpt" in rest)  # fmt: skip
     (row,) = trace_plan([case], device="cpu")
     return row
 
@@ -52,6 +54,12 @@ def largest_probe_only(profile: dict[str, Any]) -> Cluster:
 
 def without_factors(profile: dict[str, Any]) -> Cluster:
     return with_calibration(profile, operator_factors={})
+
+
+def fp32_factors_only(profile: dict[str, Any]) -> Cluster:
+    """Every operator at its fp32 factor, whatever its dtype (the model before the autocast probe)."""
+    factors = profile["calibration"].get("operator_factors", {})
+    return with_calibration(profile, operator_factors={op: f for op, f in factors.items() if ":" not in op})
 
 
 def wide_probe_ops(keys: set[str]) -> dict[str, list[dict[str, Any]]]:
@@ -90,14 +98,21 @@ def without_element_term(profile: dict[str, Any]) -> Cluster:
     return with_calibration(profile, overheads=terms)
 
 
+def reference(case: dict[str, Any]) -> str:
+    """The DDP case a case's ratio is to: as stored, or (files from before it was) its id with DDP's parts."""
+    if case.get("reference_case"):
+        return str(case["reference_case"])
+    model, _, _, world, precision, _, *rest = case["case_id"].split("-")
+    return "-".join([model, "ddp", "s0", world, precision, "none", *rest])
+
+
 def summary(profile: Cluster, rows: dict[str, TracedRow], measured: dict[str, dict[str, Any]]) -> str:
     predicted = {case_id: predict_step(row, profile, cores=2).step_s for case_id, row in rows.items()}
     step_errors = [abs(predicted[c] / m["measured_s"] - 1) for c, m in measured.items()]
     ratios: list[tuple[float, float]] = []  # (predicted, measured) ratio to DDP of the same model and world
     for case_id, m in measured.items():
-        model, implementation, _, world = case_id.split("-")[:4]
-        if implementation != "ddp":
-            ratios.append((predicted[case_id] / predicted[f"{model}-ddp-s0-{world}-fp32-none"], m["measured_ratio"]))
+        if m["implementation"] != "ddp" and m.get("measured_ratio") is not None:
+            ratios.append((predicted[case_id] / predicted[reference(m)], m["measured_ratio"]))
     ratio_errors = [abs(p / m - 1) for p, m in ratios]
     tau = kendalltau([p for p, _ in ratios], [m for _, m in ratios]).statistic
     return (
@@ -119,6 +134,7 @@ def main() -> None:
             ("as measured", Cluster.model_validate(profile)),
             ("no elements", without_element_term(profile)),
             ("no factors", without_factors(profile)),
+            ("fp32 factors", fp32_factors_only(profile)),
             ("largest only", largest_probe_only(profile)),
         )
         for label, cluster in models:
