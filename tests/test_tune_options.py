@@ -337,6 +337,49 @@ def test_setups_the_paired_rounds_cannot_tell_apart_are_level_and_a_clear_gap_is
     )
 
 
+def test_only_the_pairs_the_measurement_tells_apart_judge_the_predicted_order():
+    """Planted rounds for four setups: #1 and #2 differ by 1% (inside the rounds' 4% noise: unresolved), #3 is 30%
+    slower than both in every round, #4 has one round (not compared). Predicted in the measured order, gamma is 1
+    over the 2 resolved pairs; predicted with #3 first, -1: the noise pair cannot rescue or sink the verdict. A
+    setup whose paired rate and own steps' rate differ by more than ``DISAGREEMENT`` is named in a note."""
+    import random
+    import statistics
+
+    from zbench.tune.verify import DISAGREEMENT, Verification, Verified, _notes, resolved_order
+
+    rng = random.Random(1)
+    samples = {
+        1: [100.0 * (1 + rng.gauss(0, 0.04)) for _ in range(12)],
+        2: [99.0 * (1 + rng.gauss(0, 0.04)) for _ in range(12)],
+        3: [70.0 * (1 + rng.gauss(0, 0.04)) for _ in range(12)],
+        4: [50.0],
+    }
+
+    def rows(predicted):
+        return [Verified(rank=rank, name=str(rank), case_id=str(rank), predicted_tokens_per_s_per_gpu=p,
+                         predicted_gpu_bytes=1.0, measured_tokens_per_s_per_gpu=statistics.median(samples[rank]),
+                         steady_tokens_per_s_per_gpu=statistics.median(samples[rank]))
+                for rank, p in zip(samples, predicted)]  # fmt: skip
+
+    assert resolved_order(rows([100, 99, 70, 50]), samples) == (2, 2)
+    assert resolved_order(rows([100, 101, 70, 50]), samples) == (2, 2)  # the unresolved pair swapped: no matter
+    assert resolved_order(rows([80, 79, 120, 50]), samples) == (2, 0)  # the 30% gap reversed: caught
+    judged = Verification(run_id="r", run_path="p", rows=[], kendall_tau=None, measured_best_rank=1,
+                          resolved_pairs=2, resolved_agreeing=0)  # fmt: skip
+    assert judged.resolved_gamma == -1.0 and judged.to_json()["resolved_gamma"] == -1.0
+    unresolved = Verification(run_id="r", run_path="p", rows=[], kendall_tau=None, measured_best_rank=1)
+    assert unresolved.resolved_gamma is None
+    steady = rows([100, 99, 70, 50])
+    notes = _notes(steady, steady, 1.0, 2, 2)
+    assert "tells 2 of 6 pairs of setups apart" in notes[-1] and "gamma 1.00" in notes[-1]
+    assert not any("speed changed" in n for n in notes)
+    steady[1].steady_tokens_per_s_per_gpu = steady[1].measured_tokens_per_s_per_gpu * (1 + 2 * DISAGREEMENT)
+    (moved,) = [n for n in _notes(steady, steady, 1.0, 2, 2) if "speed changed" in n]
+    assert moved.startswith("#2's rate") and "differ by 17%" in moved
+    steady[1].steady_tokens_per_s_per_gpu = steady[1].measured_tokens_per_s_per_gpu * (1 + DISAGREEMENT / 2)
+    assert not any("speed changed" in n for n in _notes(steady, steady, 1.0, 2, 2))  # usual disagreement: quiet
+
+
 # --- FSDP1's backward prefetch: a real option of the real code, serializing backward alone ------------------------
 
 

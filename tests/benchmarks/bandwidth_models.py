@@ -24,7 +24,7 @@ from scipy.stats import kendalltau
 from zbench.cases.model_source import model_info
 from zbench.plan.calibrate import overheads
 from zbench.plan.simulate.calibrated import predict_step
-from zbench.plan.simulate.calibration import overhead_key
+from zbench.plan.simulate.calibration import is_dtype_factor, overhead_key
 from zbench.plan.simulate.cluster import Cluster
 from zbench.plan.trace.plan import TracedRow, make_case, trace_plan
 
@@ -59,7 +59,7 @@ def without_factors(profile: dict[str, Any]) -> Cluster:
 def fp32_factors_only(profile: dict[str, Any]) -> Cluster:
     """Every operator at its fp32 factor, whatever its dtype (the model before the autocast probe)."""
     factors = profile["calibration"].get("operator_factors", {})
-    return with_calibration(profile, operator_factors={op: f for op, f in factors.items() if ":" not in op})
+    return with_calibration(profile, operator_factors={op: f for op, f in factors.items() if not is_dtype_factor(op)})
 
 
 def wide_probe_ops(keys: set[str]) -> dict[str, list[dict[str, Any]]]:

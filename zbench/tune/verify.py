@@ -79,6 +79,8 @@ class Verified:
     predicted_gpu_bytes: float
     status: str = "not run"
     measured_tokens_per_s_per_gpu: float | None = None
+    steady_tokens_per_s_per_gpu: float | None = None
+    """Its own steps' rate (their median), read apart from DDP's: beside the paired rate, a check on the machine."""
     measured_peak_bytes: int | None = None
     memory_kind: str | None = None
     ratio_to_ddp: float | None = None
@@ -100,6 +102,10 @@ class Verification:
     """The predicted rank of the setup that measured fastest."""
     level_with_best: list[int] = field(default_factory=list)
     """The predicted ranks of the setups the measurement cannot tell from the fastest (``level_with``)."""
+    resolved_pairs: int = 0
+    """Pairs of setups whose measured rates the paired rounds tell apart (``resolved_order``)."""
+    resolved_agreeing: int = 0
+    """Of those, the pairs the prediction orders as measured."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -111,10 +117,20 @@ class Verification:
         """The fastest, or a setup measured level with it, was predicted in the top two."""
         return None if self.measured_best_rank is None else min([self.measured_best_rank, *self.level_with_best]) <= 2
 
+    @property
+    def resolved_gamma(self) -> float | None:
+        """Goodman and Kruskal's gamma over the resolved pairs: 1 when the prediction orders every pair the
+        measurement can order as it was measured, -1 when it reverses every one. Kendall's tau counts the pairs
+        the measurement cannot tell apart as well, whose measured order is the machine's noise."""
+        if not self.resolved_pairs:
+            return None
+        return (2 * self.resolved_agreeing - self.resolved_pairs) / self.resolved_pairs
+
     def to_json(self) -> dict[str, Any]:
         from dataclasses import asdict
 
-        return {**asdict(self), "best_in_top_two": self.best_in_top_two, "a_best_in_top_two": self.a_best_in_top_two}
+        return {**asdict(self), "best_in_top_two": self.best_in_top_two, "a_best_in_top_two": self.a_best_in_top_two,
+                "resolved_gamma": self.resolved_gamma}  # fmt: skip
 
 
 def verify(
@@ -174,20 +190,38 @@ def compare(chosen: list[Candidate], result: RunResult) -> Verification:
         )  # fmt: skip
         if record is not None:
             _measured(row, record, result.records)
-            samples[rank] = paired_ratios(record)
+            samples[rank] = rate_samples(record, result.records)
         rows.append(row)
     ran = [r for r in rows if r.measured_tokens_per_s_per_gpu is not None]
-    tau: float | None = None
+    tau = _kendall_tau(ran)
+    best = max(ran, key=lambda r: r.measured_tokens_per_s_per_gpu or 0.0, default=None)
+    level = [] if best is None else level_with(best.rank, [r.rank for r in ran if r is not best], samples)
+    resolved, agreeing = resolved_order(ran, samples)
+    return Verification(
+        run_id=result.run.run_id, run_path=str(result.run.path), rows=rows, kendall_tau=tau,
+        measured_best_rank=best.rank if best else None, level_with_best=level, resolved_pairs=resolved,
+        resolved_agreeing=agreeing, notes=_notes(rows, ran, tau, resolved, agreeing),
+    )  # fmt: skip
+
+
+def _kendall_tau(ran: list[Verified]) -> float | None:
+    """Kendall's tau between the predicted and measured rates; None for fewer than two, or where either is all
+    alike (NaN would not survive JSON)."""
+    if len(ran) < 2:
+        return None
+    tau = float(
+        kendalltau(
+            [r.predicted_tokens_per_s_per_gpu for r in ran], [r.measured_tokens_per_s_per_gpu for r in ran]
+        ).statistic
+    )
+    return None if math.isnan(tau) else tau
+
+
+def _notes(rows: list[Verified], ran: list[Verified], tau: float | None, resolved: int, agreeing: int) -> list[str]:
+    """What the reader of the comparison must know to weigh it."""
     notes = []
-    if len(ran) >= 2:
-        tau = float(
-            kendalltau(
-                [r.predicted_tokens_per_s_per_gpu for r in ran], [r.measured_tokens_per_s_per_gpu for r in ran]
-            ).statistic
-        )
-        if math.isnan(tau):  # every prediction (or measurement) alike: no order to compare
-            tau = None
-            notes.append("the predictions (or the measurements) are all equal: no order to compare")
+    if len(ran) >= 2 and tau is None:
+        notes.append("the predictions (or the measurements) are all equal: no order to compare")
     predicted = [r.predicted_tokens_per_s_per_gpu for r in ran]
     if len(ran) >= 2 and (spread := max(predicted) / min(predicted) - 1) < CALIBRATED_RATIO_ERROR:
         notes.append(
@@ -198,38 +232,92 @@ def compare(chosen: list[Candidate], result: RunResult) -> Verification:
     if len(ran) < len(rows):
         notes.append(f"{len(rows) - len(ran)} of {len(rows)} setups have no measured step time; the orders compare "
                      "the rest")  # fmt: skip
-    best = max(ran, key=lambda r: r.measured_tokens_per_s_per_gpu or 0.0, default=None)
-    level = [] if best is None else level_with(best.rank, [r.rank for r in ran if r is not best], samples)
-    return Verification(
-        run_id=result.run.run_id, run_path=str(result.run.path), rows=rows, kendall_tau=tau,
-        measured_best_rank=best.rank if best else None, level_with_best=level, notes=notes,
-    )  # fmt: skip
+    if len(ran) >= 2:
+        notes.append(resolved_note(len(ran), resolved, agreeing))
+    return notes + [disturbed(r) for r in ran if disagreement(r) > DISAGREEMENT]
 
 
 #: The significance below which two setups' paired ratios are told apart (two-sided Mann-Whitney U).
 LEVEL_P = 0.05
 
 
-def paired_ratios(record: CaseRecord) -> list[float]:
-    """A setup's step over DDP's, round by round; the DDP reference's own, 1 in each round (the yardstick)."""
-    if record.paired is not None and record.paired.ratios:
-        return record.paired.ratios
-    is_reference = record.equivalence is not None and record.equivalence.reference_case == record.case_id
-    return [1.0] * record.config.paired_rounds if is_reference else []
+def rate_samples(record: CaseRecord, records: list[CaseRecord]) -> list[float]:
+    """A setup's tokens/s per GPU round by round: its DDP reference's rate over each round's paired ratio (the
+    rounds ``measured_rate`` takes the median of); the reference's own rate in each round (the yardstick); none for
+    a setup without paired rounds."""
+    reference = _reference(record, records)
+    if reference is None or reference.summary.tokens_per_s_per_rank is None:
+        return []
+    base = reference.summary.tokens_per_s_per_rank
+    if reference is record:
+        return [base] * record.config.paired_rounds
+    return [base / ratio for ratio in record.paired.ratios] if record.paired is not None else []
+
+
+def _reference(record: CaseRecord, records: list[CaseRecord]) -> CaseRecord | None:
+    reference_id = record.equivalence.reference_case if record.equivalence else None
+    return next((r for r in records if r.case_id == reference_id), None)
+
+
+def told_apart(a: list[float], b: list[float]) -> bool | None:
+    """Whether a two-sided Mann-Whitney U test on two setups' rounds says their rates differ (p < ``LEVEL_P``);
+    None where either has fewer than two rounds."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    return bool(mannwhitneyu(a, b, alternative="two-sided").pvalue < LEVEL_P)
 
 
 def level_with(best: int, others: list[int], samples: dict[int, list[float]]) -> list[int]:
-    """Of ``others``, the setups whose paired ratios a two-sided Mann-Whitney U test cannot tell from ``best``'s
-    (p >= ``LEVEL_P``): the measurement does not say which of them is faster. A setup with fewer than two rounds
-    is not compared (neither level nor told apart)."""
-    if len(samples.get(best, [])) < 2:
-        return []
-    level = []
-    for rank in others:
-        theirs = samples.get(rank, [])
-        if len(theirs) >= 2 and mannwhitneyu(samples[best], theirs, alternative="two-sided").pvalue >= LEVEL_P:
-            level.append(rank)
-    return level
+    """Of ``others``, the setups whose rounds (``rate_samples``) cannot be told from ``best``'s (``told_apart``):
+    the measurement does not say which of them is faster. A setup with fewer than two rounds is not compared
+    (neither level nor told apart)."""
+    return [rank for rank in others if told_apart(samples.get(best, []), samples.get(rank, [])) is False]
+
+
+def resolved_order(ran: list[Verified], samples: dict[int, list[float]]) -> tuple[int, int]:
+    """How many pairs of setups the measurement orders (``told_apart``), and how many of those the prediction
+    orders the same way. On a machine whose steps vary by several percent from round to round, setups predicted
+    within a percent or two of each other are measured in an order that is noise; these pairs are the ones a
+    wrong prediction could not hide in."""
+    resolved = agreeing = 0
+    for i, a in enumerate(ran):
+        for b in ran[i + 1 :]:
+            if told_apart(samples.get(a.rank, []), samples.get(b.rank, [])):
+                resolved += 1
+                predicted = a.predicted_tokens_per_s_per_gpu - b.predicted_tokens_per_s_per_gpu
+                measured = (a.measured_tokens_per_s_per_gpu or 0.0) - (b.measured_tokens_per_s_per_gpu or 0.0)
+                agreeing += predicted * measured > 0
+    return resolved, agreeing
+
+
+def resolved_note(ran: int, resolved: int, agreeing: int) -> str:
+    pairs = ran * (ran - 1) // 2
+    told = f"the measurement tells {resolved} of {pairs} pairs of setups apart (Mann-Whitney p < {LEVEL_P} on their "
+    if not resolved:
+        return told + "paired rounds): the measured order is the machine's noise"
+    gamma = (2 * agreeing - resolved) / resolved
+    return told + f"paired rounds); the prediction orders {agreeing} of them as measured (gamma {gamma:.2f})"
+
+
+#: How far a setup's paired rate and its own steps' rate may differ before its measurement is called disturbed:
+#: the two read the same speed two ways (steps taken back to back with DDP's; steps of its own, minutes from
+#: DDP's), so beyond their usual disagreement (median 5%, 2026-11-30, docs/data/validate_simulator_1130e.json)
+#: the machine's speed changed under one of them.
+DISAGREEMENT = 0.10
+
+
+def disagreement(row: Verified) -> float:
+    """How far ``row``'s paired rate and its own steps' rate differ (0 where either is missing)."""
+    paired, steady = row.measured_tokens_per_s_per_gpu, row.steady_tokens_per_s_per_gpu
+    return abs(paired / steady - 1) if paired and steady else 0.0
+
+
+def disturbed(row: Verified) -> str:
+    return (
+        f"#{row.rank}'s rate read from its paired rounds ({row.measured_tokens_per_s_per_gpu:,.0f} tokens/s per GPU) "
+        f"and from its own steps ({row.steady_tokens_per_s_per_gpu:,.0f}) differ by {disagreement(row):.0%}: the "
+        "machine's speed changed during its run, so its measured place is uncertain (run it again)"
+    )
 
 
 def measured_rate(record: CaseRecord, records: list[CaseRecord]) -> float | None:
@@ -237,8 +325,7 @@ def measured_rate(record: CaseRecord, records: list[CaseRecord]) -> float | None
     has one (the ratio of steps run alternately, which cancels the machine's drift between cases), else its own
     median step's. Setups at one micro-batch share a reference, so their order is the paired ratios' order."""
     own = record.summary.tokens_per_s_per_rank if record.status == "ok" else None
-    reference_id = record.equivalence.reference_case if record.equivalence else None
-    reference = next((r for r in records if r.case_id == reference_id), None)
+    reference = _reference(record, records)
     paired = record.paired is not None and record.paired.median_ratio is not None
     if own is None or reference is None or reference is record or not paired or record.ratio_to_ddp is None:
         return own
@@ -250,6 +337,7 @@ def _measured(row: Verified, record: CaseRecord, records: list[CaseRecord]) -> N
     row.status = record.status
     row.error = record.error
     row.measured_tokens_per_s_per_gpu = measured_rate(record, records)
+    row.steady_tokens_per_s_per_gpu = record.summary.tokens_per_s_per_rank if record.status == "ok" else None
     if record.memory is not None:
         row.measured_peak_bytes = record.memory.peak_bytes
         row.memory_kind = record.memory.kind

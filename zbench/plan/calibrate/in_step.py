@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from zbench.plan.calibrate.kernels import dtype_name
-from zbench.plan.simulate.calibration import Calibration
+from zbench.plan.simulate.calibration import Calibration, factor_key
 from zbench.plan.trace.ops import OpLedger
 
 #: (width, tokens per step) of the probe models: on a CPU two sizes that bracket a small and a mid-size block.
@@ -141,11 +141,9 @@ def factors(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, list[tu
             work, sized, counted = charged[op]
             if work < MIN_WORK_S or counted == 0:
                 continue
-            key = op
-            if probe_dtype != "float32":
-                if dtypes[op] != {probe_dtype}:
-                    continue
-                key = f"{op}:{probe_dtype}"
+            if probe_dtype != "float32" and dtypes[op] != {probe_dtype}:
+                continue
+            key = factor_key(op, probe_dtype)
             factor = (us * 1e-6 - calls * call_seconds(cal)) / work
             out[key].append((sized / counted, min(max(factor, FACTOR_RANGE[0]), FACTOR_RANGE[1])))
     return {op: sorted(points) for op, points in sorted(out.items()) if all(math.isfinite(f) for _, f in points)}

@@ -57,6 +57,17 @@ class DiskProbe(_Frozen):
     cache_evicted: bool = Field(description="whether the page cache could be told to drop the file before reading")
 
 
+def factor_key(op: str, dtype: str) -> str:
+    """How ``Calibration.operator_factors`` names an operator's factor in a reduced precision: ``addmm:bfloat16``
+    (an operator's fp32 factor goes by its name alone, so profiles from before dtypes were probed keep loading)."""
+    return op if dtype == "float32" else f"{op}:{dtype}"
+
+
+def is_dtype_factor(key: str) -> bool:
+    """Whether an ``operator_factors`` key is a reduced precision's own (``factor_key``)."""
+    return ":" in key
+
+
 def overhead_key(implementation: str, stage: int) -> str:
     """How ``Calibration.overheads`` names one implementation at one stage: ``fsdp-s3``."""
     return f"{implementation}-s{stage}"

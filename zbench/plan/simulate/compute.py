@@ -39,7 +39,7 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from zbench.cases.model_source import model_info
-from zbench.plan.simulate.calibration import Calibration, MatmulPoint, overhead_key
+from zbench.plan.simulate.calibration import Calibration, MatmulPoint, factor_key, overhead_key
 from zbench.plan.simulate.datasheet import DatasheetRates
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ def operator_factor(cal: Rates, entry: dict[str, Any]) -> float:
     An operator in a reduced precision takes its dtype's own factor where the calibration probed one
     (``<op>:<dtype>``, ``in_step.AUTOCAST_DTYPES``), else the fp32 probes'."""
     factors = cal.operator_factors
-    points = factors.get(f"{entry['op']}:{entry['dtype']}") or factors.get(entry["op"])
+    points = factors.get(factor_key(entry["op"], entry["dtype"])) or factors.get(entry["op"])
     if not points:
         return 1.0
     size = entry["flops"] or entry["bytes"]

@@ -16,20 +16,22 @@ from zbench.plan.trace.plan import TracedRow
 DEFAULT_SCALES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 #: The step model's median error on a setup's step-time ratio to DDP's, on a calibrated CPU profile (below): the
-#: largest over the six calibrations taken around the three validation runs of 2026-11-30, each re-predicted with
-#: this model (tests/benchmarks/bandwidth_models.py; 3.2-4.9%).
+#: largest over the six calibrations taken around the three fp32 validation runs of 2026-11-30, each re-predicted
+#: with this model (tests/benchmarks/bandwidth_models.py; 3.2-4.9%); the fourth run's fp32 cases read 4.0-4.7%
+#: (docs/data/validate_simulator_1130e.json).
 CALIBRATED_RATIO_ERROR = 0.049
 
 #: What each compute model's predictions (``Cluster.compute_model``) measured against runs they were not fitted
 #: to, shown beside them (docs/methods.md#simulation; each figure with its date, machines and data file).
 MEASURED_ERROR = {
-    "calibrated": "measured error on a calibrated CPU profile: step time median 11-20%, worst 44-61% (predicted "
-    "too fast); ratio to DDP median 3.2-4.9%, worst 23-40%, Kendall tau 0.77-0.86 (three runs of 48 cases, tiny to "
-    "medium, worlds 1-2, the 2-core CPU machine, 2026-11-30, each range over the six calibrations taken around "
-    "them; docs/data/validate_simulator_1130.json, _1130b.json and _1130c.json): in those runs every ratio error "
-    "over 14% is tiny's, whose measured ratio read two ways (paired rounds, step medians) differs by up to 42%; at "
-    "small over worlds 1-4, fp32 and bf16, with and without checkpointing (96 cases, _1130d.json) the ratio's "
-    "median 2.6-3.5%, worst 16-17%, the step's median 30% (bf16 predicted at about half its time)",
+    "calibrated": "measured error on a calibrated CPU profile: step time median 11-20%, worst 39-61% (predicted "
+    "too fast); ratio to DDP median 3.2-5.6%, worst 18-40%, Kendall tau 0.55-0.86 (four runs of 48-64 cases, tiny "
+    "to medium, worlds 1-2, the 2-core CPU machine, 2026-11-30, each range over the eight calibrations taken around "
+    "them; docs/data/validate_simulator_1130.json, _1130b.json, _1130c.json and _1130e.json): in the first three "
+    "(fp32) every ratio error over 14% is tiny's, whose measured ratio read two ways (paired rounds, step medians) "
+    "differs by up to 42%; in the fourth (small and medium, fp32 and bf16) FSDP2 at small ran 11-21% slower than "
+    "predicted against DDP and our ZeRO engines at medium 6-17% faster; at small over worlds 1-4, fp32 and bf16, "
+    "with and without checkpointing (96 cases, _1130d.json) the ratio's median 2.6-3.5%, worst 16-17%",
     "datasheet": "measured error on datasheet operator rates: all 46 published FSDP runs (torchtitan, fms-fsdp, "
     "llm-foundry; 8-512 A100/H100) ran slower than predicted, by 7-45% (median 29%; 2026-11-27, "
     "docs/data/validate_published.json): read tokens/s as an upper bound",
