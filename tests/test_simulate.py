@@ -121,6 +121,9 @@ def test_a_datasheet_profile_charges_each_operator_from_its_published_rates():
     tiny = {"op": "add", "flops": 0, "bytes": 64, "dtype": "bfloat16", "count": 100}
     assert op_seconds(tiny, rates, on_gpu=True) == pytest.approx(100 * figures.launch_us * 1e-6)
     assert H100.model_copy(update={"operators": None}).operator_rates() is None
+    assert rates.device == H100.gpu and not H100.on_cpu()
+    own_cpu = H100.model_copy(update={"gpu": "CPU core (fp32)"})  # a user's datasheet for CPU cores
+    assert own_cpu.on_cpu() and own_cpu.operator_rates().device == "cpu"  # charged as the host, as the step is
 
 
 def test_cluster_files_are_checked(tmp_path):

@@ -89,7 +89,9 @@ class Cluster(BaseModel):
         model = self.compute_model()
         if model == "calibrated":
             return self.calibration
-        return self.operators.rates(self.gpu) if model == "datasheet" and self.operators else None
+        if model != "datasheet" or not self.operators:
+            return None
+        return self.operators.rates("cpu" if self.on_cpu() else self.gpu)  # the step model reads "cpu" as the host
 
     @field_validator("schema_version")
     @classmethod

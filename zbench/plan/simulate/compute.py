@@ -181,7 +181,7 @@ def phase_seconds(
     the device: the traced operators are the host's own work (its AdamW, its copies into the host tier) and are
     charged as without offload, each at its factor inside a step; the offload model adds only NVMe's I/O.
     """
-    on_gpu = cal.device != "cpu"
+    on_gpu = cal.device != "cpu"  # "cpu" exactly where ``Cluster.on_cpu`` (``Cluster.operator_rates``)
     out = {}
     for phase, entries in ops.items():
         if phase == "after_backward" and offload != "none" and on_gpu:
