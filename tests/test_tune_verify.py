@@ -56,6 +56,26 @@ def test_verify_runs_the_top_setups_and_reports_predicted_against_measured(verif
     assert "Predicted against measured" in page and rows[0]["name"] in page and "Pruned, and why" in page
     assert "Options searched" in page and "zero3: option prefetch" in page
     assert 'href="tune.html"' in (out / "report" / "index.html").read_text()
+    assert "its own steps" in page and all(row["steady_tokens_per_s_per_gpu"] for row in rows)
+
+
+def test_the_tune_page_says_where_a_setup_level_with_the_best_was_predicted_in_the_top_two(verified):
+    """The measured best predicted #3 but level with #1 is not marked a miss; with nothing level, it is."""
+    from zbench.report import render
+    from zbench.results.store import RunDir
+
+    _, out = verified
+    (path,) = (out / "results").iterdir()
+    stored = json.loads((path / "tune.json").read_text())
+    for level, says in (([1], "a setup level with it in the predicted top two"), ([], "not in the predicted top two")):
+        v = stored["verification"] | {"measured_best_rank": 3, "level_with_best": level, "best_in_top_two": False,
+                                      "a_best_in_top_two": bool(level)}  # fmt: skip
+        (path / "tune.json").write_text(json.dumps(stored | {"verification": v}))
+        report = out / f"report-level-{len(level)}"
+        render(RunDir(path.parent, path.name), report, results_root=path.parent)
+        order = (report / "tune.html").read_text().split('id="order">')[1].split("</dd>")[0]
+        assert says in order and ("not in" in order) == (not level)
+    (path / "tune.json").write_text(json.dumps(stored))
 
 
 def test_the_order_is_read_right_from_planted_predictions_and_an_oom_is_a_tune_error(verified):
