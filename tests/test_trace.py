@@ -11,8 +11,8 @@ size (rank 0):
   without it ZeRO-2/3 free a bucket when a poll finds it done, and the real peak moves with gloo's
   threads); FSDP2 calls ``reduce_scatter_single`` itself, and gloo runs it through a scratch of the
   input's size that surfaces on the calling thread, which the fake group mirroring gloo makes too;
-- at ``small`` the real peak of FSDP2, ZeRO-2/3 and FSDP1 can still move upward from run to run on that
-  schedule (FSDP2 at world 4, six runs in a row in one process: 23.34 MB five times, 25.28 MB once; ZeRO-3 at
+- the real peak of FSDP2, ZeRO-2/3 and FSDP1 can still move upward from run to run on that schedule (at
+  ``small``, FSDP2 at world 4, six runs in a row in one process: 23.34 MB five times, 25.28 MB once; ZeRO-3 at
   world 2 once in four full runs): the real group runs those cases several times (``REPEATS``), and the trace
   must equal the lowest real peak within 2% and lie at or below every one of them (within 2%);
 - on free-running gloo (no patch) the trace is the lower end of the real peak: 75% to 102% of it.
@@ -48,14 +48,16 @@ SMALL = [
 CASES = [("tiny", *c) for c in ALL] + [("small", *c) for c in SMALL]
 TIMING_FREE = {"ddp", "torch_zero", "zero1"}
 WORLDS = (2, 4)
-REPEATS = {c: 4 for c in CASES if c[0] == "small" and c[1] not in TIMING_FREE} | {("small", "fsdp", 3, "none"): 8}
+REPEATS = {c: 4 for c in CASES if c[1] not in TIMING_FREE} | {("small", "fsdp", 3, "none"): 8}
 """How often the real group runs each case whose real peak moves from run to run on the instant-network
 schedule. FSDP2's real peak at ``small`` is higher now and then (1 run in 6 in one probe, once in a CI run
 at world 4) with the cycle collector held off for the step, so not the collector's doing: it follows the
 order in which gloo's threads and the backward pass allocate (2 runs in 5 at world 4, 1 in 5 at world 2,
 in one test run). ZeRO-3 at ``small``, world 2, did the same once in four full runs (backward's peak
-43.89 MB above the optimizer step's 41.91 MB, which four runs in a row and the trace give). The lowest
-real peak is the schedule the trace follows."""
+43.89 MB above the optimizer step's 41.91 MB, which four runs in a row and the trace give). At ``tiny`` too:
+FSDP2 at stage 3, world 2, once in a CI run on a loaded machine (2026-11-30: backward's last block 99,840 bytes
+of backward temporaries above the trace, 1.68 MB against 1.58). The lowest real peak is the schedule the trace
+follows."""
 
 
 def cases(world: int):
