@@ -111,7 +111,8 @@ def test_the_order_is_read_right_from_planted_predictions_and_an_oom_is_a_tune_e
     assert "within 2.0% of each other" in right.notes[0]  # 100, 99, 98: inside the model's error, and said so
     wide = [Candidate(c.case, estimate=SimpleNamespace(tokens_per_s_per_gpu=100.0 / (i + 1)), needs=c.needs)
             for i, c in enumerate(chosen(measured))]  # fmt: skip
-    assert not any("within" in n for n in compare(wide, RunResult(run, records)).notes)  # 100, 50, 33: told apart
+    told = compare(wide, RunResult(run, records)).notes  # 100, 50, 33: an order the model can tell, so no note
+    assert not [n for n in told if "pairs of setups apart" not in n and "speed changed" not in n]  # but on the rounds
     assert any("pairs of setups apart" in n for n in right.notes)  # and how much of the order the rounds resolve
     wrong = compare(chosen(measured[::-1]), RunResult(run, records))
     assert wrong.kendall_tau == pytest.approx(-1.0) and wrong.measured_best_rank == len(measured)

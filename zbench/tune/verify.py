@@ -122,9 +122,7 @@ class Verification:
         """Goodman and Kruskal's gamma over the resolved pairs: 1 when the prediction orders every pair the
         measurement can order as it was measured, -1 when it reverses every one. Kendall's tau counts the pairs
         the measurement cannot tell apart as well, whose measured order is the machine's noise."""
-        if not self.resolved_pairs:
-            return None
-        return (2 * self.resolved_agreeing - self.resolved_pairs) / self.resolved_pairs
+        return gamma(self.resolved_pairs, self.resolved_agreeing)
 
     def to_json(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -290,13 +288,20 @@ def resolved_order(ran: list[Verified], samples: dict[int, list[float]]) -> tupl
     return resolved, agreeing
 
 
+def gamma(resolved: int, agreeing: int) -> float | None:
+    """Goodman and Kruskal's gamma of ``agreeing`` concordant pairs out of ``resolved``; None without any."""
+    return (2 * agreeing - resolved) / resolved if resolved else None
+
+
 def resolved_note(ran: int, resolved: int, agreeing: int) -> str:
     pairs = ran * (ran - 1) // 2
     told = f"the measurement tells {resolved} of {pairs} pairs of setups apart (Mann-Whitney p < {LEVEL_P} on their "
     if not resolved:
         return told + "paired rounds): the measured order is the machine's noise"
-    gamma = (2 * agreeing - resolved) / resolved
-    return told + f"paired rounds); the prediction orders {agreeing} of them as measured (gamma {gamma:.2f})"
+    return (
+        told + f"paired rounds); the prediction orders {agreeing} of them as measured (gamma "
+        f"{gamma(resolved, agreeing):.2f})"
+    )
 
 
 #: How far a setup's paired rate and its own steps' rate may differ before its measurement is called disturbed:
