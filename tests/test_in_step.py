@@ -26,15 +26,24 @@ def memory_bandwidth_at(cal: Calibration, moved: int) -> float:
     return memory_bandwidth(cal, moved) / 1e9
 
 
-def entry(op: str, nbytes: int, count: int = 1, flops: int = 0, dtype: str = "float32") -> dict:
-    return {"op": op, "dtype": dtype, "shapes": [], "flops": flops, "bytes": nbytes, "mapped_bytes": 0,
-            "count": count}  # fmt: skip
+def entry(op: str, nbytes: int, count: int = 1, flops: int = 0, dtype: str = "float32", shapes=()) -> dict:
+    return {"op": op, "dtype": dtype, "shapes": [list(s) for s in shapes], "flops": flops, "bytes": nbytes,
+            "mapped_bytes": 0, "count": count}  # fmt: skip
+
+
+def timed(e: dict, factor: float, cal: Calibration) -> tuple[float, int]:
+    """What the profiler would claim for ``e``'s calls if each took ``factor`` times its charged work plus dispatch."""
+    return e["count"] * (factor * work_seconds(e, cal, on_gpu=False) + 5e-6) * 1e6, e["count"]
 
 
 def profiled(fn) -> list:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         fn()
     return prof.events()
+
+
+def ops(claimed: dict) -> set[str]:
+    return {key.split("|")[0] for key in claimed}
 
 
 def test_a_nested_call_is_the_time_of_the_outer_operator_the_ledger_records():
@@ -43,12 +52,22 @@ def test_a_nested_call_is_the_time_of_the_outer_operator_the_ledger_records():
     x, w, b = torch.randn(64, 32), torch.randn(16, 32), torch.randn(16)
     events = profiled(lambda: (x.to(torch.float64), torch.nn.functional.linear(x, w, b)))
     claimed = in_step.claimed_times(events, {"_to_copy", "copy_", "addmm"})
-    assert set(claimed) == {"_to_copy", "addmm"} and claimed["_to_copy"][1] == claimed["addmm"][1] == 1
+    assert ops(claimed) == {"_to_copy", "addmm"} and all(calls == 1 for _, calls in claimed.values())
+    assert in_step.call_key("_to_copy", [[64, 32]]) in claimed  # keyed by shape, as the ledger's entries are
     converted = profiled(lambda: x.to(torch.float64))
     alone = in_step.claimed_times(converted, {"copy_"})  # with _to_copy not recorded, its copy_ is its own
-    assert set(alone) == {"copy_"} and alone["copy_"][1] == 1
+    assert ops(alone) == {"copy_"}
     whole = in_step.claimed_times(converted, {"_to_copy", "copy_"})
-    assert whole["_to_copy"][0] >= alone["copy_"][0]  # the outer call's time includes the copy it made
+    assert sum(us for us, _ in whole.values()) >= sum(us for us, _ in alone.values())  # includes the copy it made
+
+
+def test_a_call_is_matched_to_its_ledger_entry_by_its_tensors_shapes():
+    """The ledger's ``mul_(t, 0-dim scale)`` and the profiler's (which lists the scale, like any scalar, as an empty
+    shape) get one key; two shapes of one operator get two."""
+    a, b, scale = torch.randn(8, 4), torch.randn(3, 5), torch.tensor(2.0)
+    claimed = in_step.claimed_times(profiled(lambda: (a.mul_(scale), b.mul_(scale), b.mul_(3.0))), {"mul_"})
+    assert claimed.keys() == {in_step.call_key("mul_", [[8, 4], []]), in_step.call_key("mul_", [[3, 5]])}
+    assert claimed[in_step.call_key("mul_", [[3, 5]])][1] == 2
 
 
 def test_a_factor_is_the_measured_time_less_dispatch_over_the_charged_work():
@@ -57,13 +76,34 @@ def test_a_factor_is_the_measured_time_less_dispatch_over_the_charged_work():
     work = work_seconds(gelu, cal, on_gpu=False)
     slow = 4 * (2.5 * work + 5e-6) * 1e6  # measured: 2.5 times the work, plus each call's dispatch
     tiny = entry("fill_", 100, count=3)  # charged far less than MIN_WORK_S: dispatch, not work
-    probes = [{"entries": [gelu, tiny], "measured": {"gelu": (slow, 4), "fill_": (900.0, 3)}}]
+    probes = [{"entries": [gelu, tiny], "measured": {"gelu|": (slow, 4), "fill_|": (900.0, 3)}}]
     factors = in_step.factors(probes, cal)
     assert set(factors) == {"gelu"}
     ((size, factor),) = factors["gelu"]
     assert size == 10 * 2**20 and factor == pytest.approx(2.5)
-    wild = [{"entries": [gelu], "measured": {"gelu": (slow * 100, 4)}}]  # a measurement gone wrong is clamped
+    wild = [{"entries": [gelu], "measured": {"gelu|": (slow * 100, 4)}}]  # a measurement gone wrong is clamped
     assert in_step.factors(wild, cal)["gelu"][0][1] == in_step.FACTOR_RANGE[1]
+
+
+def test_each_call_shape_gets_its_own_factor_and_what_cannot_be_told_apart_is_pooled():
+    """AdamW touches each tensor once a step, from memory, while the tables charge a small tensor a cache's rate:
+    its small calls run several times their charge, its large ones about theirs. One factor per operator, at the
+    calls' mean size, would charge both wrong; one per shape keeps each. Calls whose shapes the profiler does not
+    record (a tensor list) and calls too small to time alone are pooled per operator at their mean size."""
+    cal = calibration()
+    small = entry("mul_", 2 * 2**20, count=8, shapes=[(512, 512)])
+    large = entry("mul_", 64 * 2**20, count=2, shapes=[(4096, 2048)])
+    cat1 = entry("cat", 4 * 2**20, count=2, shapes=[(256, 1024), (256, 1024)])
+    cat2 = entry("cat", 16 * 2**20, count=2, shapes=[(1024, 1024), (1024, 1024)])
+    cat_time = (timed(cat1, 1.5, cal)[0] + timed(cat2, 1.5, cal)[0], 4)  # the profiler sees one key: "cat|"
+    measured = {in_step.call_key("mul_", small["shapes"]): timed(small, 2.0, cal),
+                in_step.call_key("mul_", large["shapes"]): timed(large, 0.7, cal), "cat|": cat_time}  # fmt: skip
+    factors = in_step.factors([{"entries": [small, large, cat1, cat2], "measured": measured}], cal)
+    assert factors["mul_"] == [(2 * 2**20, pytest.approx(2.0)), (64 * 2**20, pytest.approx(0.7))]
+    assert factors["cat"] == [(10 * 2**20, pytest.approx(1.5))]  # pooled at the mean size
+    miscounted = {**measured, in_step.call_key("mul_", large["shapes"]): (timed(large, 0.7, cal)[0], 3)}
+    pooled = in_step.factors([{"entries": [small, large], "measured": miscounted}], cal)["mul_"]
+    assert pooled[0] == (2 * 2**20, pytest.approx(2.0)) and pooled[1][0] == 64 * 2**20  # its calls uncounted: rest
 
 
 def test_the_step_model_multiplies_an_operators_work_by_its_factor_between_probe_sizes():
@@ -98,8 +138,7 @@ def test_an_autocast_probe_keeps_factors_only_for_operators_that_ran_in_its_dtyp
     cal = calibration()
 
     def measured(*entries: dict, factor: float) -> dict:
-        return {e["op"]: (e["count"] * (factor * work_seconds(e, cal, on_gpu=False) + 5e-6) * 1e6, e["count"])
-                for e in entries}  # fmt: skip
+        return {in_step.call_key(e["op"], e["shapes"]): timed(e, factor, cal) for e in entries}
 
     gelu32, lerp32 = entry("gelu", 2**22, count=2), entry("lerp_", 2**22, count=2)
     gelu16, lerp16 = entry("gelu", 2**21, count=2, dtype="bfloat16"), entry("lerp_", 2**22, count=2)
@@ -129,7 +168,9 @@ def test_a_probe_step_times_the_operators_a_transformer_step_runs():
     cal = calibration()
     fp32, bf16 = in_step.probe(quick=True)
     assert (fp32["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
-    assert {"gelu", "gelu_backward", "addmm", "mm", "lerp_"} <= set(fp32["measured"])
+    assert {"gelu", "gelu_backward", "addmm", "mm", "lerp_"} <= ops(fp32["measured"])
+    ledger = {in_step.call_key(e["op"], e["shapes"]) for e in fp32["entries"] if e["op"] in {"addmm", "lerp_"}}
+    assert ledger and ledger <= set(fp32["measured"])  # every call shape of these matched to its ledger entry
     assert {e["dtype"] for e in bf16["entries"] if e["op"] == "addmm"} == {"bfloat16"}
     factors = in_step.factors([fp32, bf16], cal)
     assert {"gelu", "addmm", "mm", "addmm:bfloat16"} <= set(factors)

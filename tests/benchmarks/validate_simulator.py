@@ -143,9 +143,12 @@ def main() -> None:
     parser.add_argument("--offload", default="[none]", help="offload modes, e.g. [none, optimizer]")
     parser.add_argument("--repeats", type=int, default=3, help="runs of the suite; each case's median over them")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--keep", type=Path, help="keep the runs and both profiles in this new directory")
     args = parser.parse_args()
+    if args.keep is not None:
+        args.keep.mkdir(parents=True)  # never into an earlier sitting's runs
     with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
+        tmp = args.keep or Path(d)
         (tmp / "suite.yaml").write_text(SUITE.format(**vars(args)))
         # the collectives over every world size the suite runs (four ranks on two cores wait on each other)
         ranks = [arg for w in yaml.safe_load(args.worlds) if w > 1 for arg in ("--ranks", str(w))]

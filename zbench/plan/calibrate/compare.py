@@ -67,8 +67,8 @@ def _figures(profile: Cluster) -> dict[str, float]:
     if cal.disk is not None:
         out["disk write_gb_s"], out["disk read_gb_s"] = cal.disk.write_gb_s, cal.disk.read_gb_s
     for op, points in cal.operator_factors.items():
-        for i, (_, factor) in enumerate(points):
-            out[f"{op} factor (probe {i + 1})"] = factor
+        for size, factor in points:  # by the size per call it was measured at (FLOPs, else bytes moved)
+            out[f"{op} factor at {size:.3g}"] = factor
     return out
 
 

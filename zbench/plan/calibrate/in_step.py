@@ -11,12 +11,19 @@ took 299 and 2,028 ms (their own self time, profiler on).
 So the calibration trains a probe model (a GPT of ``BLOCKS`` blocks at widths and token counts none of the
 validation's presets use) for a few steps in a rank's environment, records one step's operators as the trace's
 ledger does (``zbench.plan.trace.ops.OpLedger``), profiles the next identical steps (``PROFILED_STEPS``), and
-keeps, for every operator that does work enough to time, its factor: the median time the profiler measured for
-it, less its calls' dispatch cost (``op_call_us``), over the work the tables charge it. The step model
-multiplies each traced operator's work by its factor (``zbench.plan.simulate.compute.operator_factor``), between
-the probe sizes by its size per call; an operator the probe does not run keeps factor 1. Operators nested in
-another the ledger records (``_to_copy``'s ``copy_``) are that operator's time, as the ledger sees only the outer
-call; composite operators the ledger never sees (``linear``) are transparent.
+keeps, for every operator call of one shape that does work enough to time, its factor: the median time the
+profiler measured for it, less its calls' dispatch cost (``op_call_us``), over the work the tables charge it. The
+step model multiplies each traced operator's work by its factor (``zbench.plan.simulate.compute.operator_factor``),
+between the probed sizes by its size per call; an operator the probe does not run keeps factor 1. Operators nested
+in another the ledger records (``_to_copy``'s ``copy_``) are that operator's time, as the ledger sees only the
+outer call; composite operators the ledger never sees (``linear``) are transparent.
+
+Why one factor per call shape, not per operator: the tables charge a call the bandwidth of its own working set,
+cache-resident up to a few MiB, but the optimizer's operators find their tensors cold whatever their size (each
+is touched once a step). One factor per operator, over a mix of calls at its mean size, charged ``medium``'s
+AdamW (2026-11-30, the 2-core machine, one process): ``mul_`` on its 48 MB embedding calls 0.24 times the tables'
+time where it took 0.62, on its 4.5 MB calls 1.22 where it took 2.1; its ``sqrt``, ``div``, ``mul_``,
+``lerp_``, ``addcdiv_`` and ``addcmul_`` were charged 121 ms and took 212.
 """
 
 from __future__ import annotations
@@ -89,24 +96,36 @@ def _probe_one(width: int, tokens: int, dtype: torch.dtype) -> dict[str, Any]:
     recorded = {e["op"] for e in entries}
     profiled = []
     for _ in range(PROFILED_STEPS):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             step()
         profiled.append(claimed_times(prof.events(), recorded))
-    measured = {op: (statistics.median(p[op][0] for p in profiled), profiled[0][op][1]) for op in profiled[0]}
+    measured = {
+        key: (statistics.median(p[key][0] for p in profiled if key in p), calls)
+        for key, (_, calls) in profiled[0].items()
+    }
     return {"width": width, "tokens": tokens, "dtype": dtype_name(dtype), "entries": entries, "measured": measured}
 
 
+def call_key(op: str, shapes: Any) -> str:
+    """How a ledger entry and a profiled call are matched: the operator and its tensors' shapes, empty shapes left
+    out on both sides (the profiler lists a scalar argument, a 0-dim tensor and a tensor list each as an empty
+    shape). So ``cat`` of a list keys by its name alone, and ``mul_`` by a tensor and a 0-dim scale by the tensor."""
+    dims = ",".join("x".join(map(str, s)) for s in shapes if len(s))
+    return f"{op}|{dims}"
+
+
 def claimed_times(events: Any, recorded: set[str]) -> dict[str, tuple[float, int]]:
-    """``{op: (microseconds, calls)}``: each profiled call of an operator the ledger records (``aten::<op>``), its
-    time including what it called, unless an enclosing call already claimed it (the ledger sees the outer call
-    only)."""
+    """``{call_key: (microseconds, calls)}``: each profiled call of an operator the ledger records (``aten::<op>``),
+    its time including what it called, unless an enclosing call already claimed it (the ledger sees the outer call
+    only); by operator and shapes where the profile recorded shapes, else by operator alone (``call_key(op, ())``)."""
     out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
 
     def walk(event: Any) -> None:
         name = event.name.removeprefix("aten::")
         if event.name.startswith("aten::") and name in recorded:
-            out[name][0] += event.cpu_time_total
-            out[name][1] += 1
+            key = call_key(name, event.input_shapes or ())
+            out[key][0] += event.cpu_time_total
+            out[key][1] += 1
             return
         for child in event.cpu_children:
             walk(child)
@@ -119,31 +138,62 @@ def claimed_times(events: Any, recorded: set[str]) -> dict[str, tuple[float, int
 
 def factors(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, list[tuple[float, float]]]:
     """``{op: [(size per call, factor), ...]}`` by increasing size (FLOPs for an operator that has them, else
-    bytes moved): the measured time less its calls' dispatch cost, over the work ``cal``'s tables charge it.
+    bytes moved): each call shape's measured time less its calls' dispatch cost, over the work ``cal``'s tables
+    charge it (``_call_groups``); calls of one size, from any probe, pooled into one point.
 
-    A probe under autocast (``dtype`` other than float32) adds ``<op>:<dtype>`` for each operator that ran only in
-    that dtype there; one that ran in fp32 too (the optimizer's, layer norm, or a mix) keeps the fp32 probes'
-    factor, as the profiler's time of an operator cannot be split by dtype."""
-    from zbench.plan.simulate.compute import call_seconds, work_seconds
-
-    out: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    A probe under autocast (``dtype`` other than float32) adds ``<op>:<dtype>`` for each call shape that ran only in
+    that dtype there; the others (the optimizer's, layer norm) keep the fp32 probes' factor."""
+    pooled: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
     for p in probes:
         probe_dtype = p.get("dtype", "float32")  # probes recorded before autocast was probed: fp32
-        charged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # work, size x calls, calls
-        dtypes: dict[str, set[str]] = defaultdict(set)
-        for e in p["entries"]:
-            c = charged[e["op"]]
-            c[0] += work_seconds(e, cal, on_gpu=False) * e["count"]
-            c[1] += (e["flops"] or e["bytes"]) * e["count"]
-            c[2] += e["count"]
-            dtypes[e["op"]].add(e["dtype"])
-        for op, (us, calls) in p["measured"].items():
-            work, sized, counted = charged[op]
-            if work < MIN_WORK_S or counted == 0:
+        for op, dtypes, size, work, seconds in _call_groups(p, cal):
+            if probe_dtype != "float32" and dtypes != {probe_dtype}:
                 continue
-            if probe_dtype != "float32" and dtypes[op] != {probe_dtype}:
-                continue
-            key = factor_key(op, probe_dtype)
-            factor = (us * 1e-6 - calls * call_seconds(cal)) / work
-            out[key].append((sized / counted, min(max(factor, FACTOR_RANGE[0]), FACTOR_RANGE[1])))
-    return {op: sorted(points) for op, points in sorted(out.items()) if all(math.isfinite(f) for _, f in points)}
+            point = pooled[factor_key(op, probe_dtype)][size]
+            point[0] += work
+            point[1] += seconds
+    return {
+        key: sorted(
+            (size, min(max(seconds / work, FACTOR_RANGE[0]), FACTOR_RANGE[1]))
+            for size, (work, seconds) in by_size.items()
+        )
+        for key, by_size in sorted(pooled.items())
+        if all(math.isfinite(seconds / work) for work, seconds in by_size.values())
+    }
+
+
+def _call_groups(probe: dict[str, Any], cal: Calibration) -> list[tuple[str, set[str], float, float, float]]:
+    """``(op, dtypes, size per call, charged work s, measured s less dispatch)`` for each group of a probe's calls
+    timed together: each call shape the profiler matched to the ledger (``call_key``) with ``MIN_WORK_S`` of work,
+    and per operator the rest pooled at their mean size (shapes the profiler cannot tell apart, calls too small to
+    time alone), kept if the pool does that much work."""
+    from zbench.plan.simulate.compute import call_seconds, work_seconds
+
+    by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e in probe["entries"]:
+        by_key[call_key(e["op"], e["shapes"])].append(e)
+    measured = probe["measured"]
+    rest: dict[str, list[Any]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, set()])  # work, size x calls, calls, us
+    groups = []
+    for key, entries in by_key.items():
+        op = entries[0]["op"]
+        work = sum(work_seconds(e, cal, on_gpu=False) * e["count"] for e in entries)
+        calls = sum(e["count"] for e in entries)
+        sized = sum((e["flops"] or e["bytes"]) * e["count"] for e in entries)
+        dtypes = {e["dtype"] for e in entries}
+        timed = measured.get(key)
+        if timed is not None and timed[1] == calls and work >= MIN_WORK_S:
+            groups.append((op, dtypes, sized / calls, work, timed[0] * 1e-6 - calls * call_seconds(cal)))
+            continue
+        r = rest[op]
+        r[0], r[1], r[2] = r[0] + work, r[1] + sized, r[2] + calls
+        r[3] += timed[0] if timed is not None else 0.0
+        r[4] |= dtypes
+    for key, (us, _) in measured.items():  # calls the profiler could not tell apart by shape: their operator's rest
+        op = key.split("|", 1)[0]
+        if key not in by_key and op in rest:
+            rest[op][3] += us
+    for op, (work, sized, calls, us, dtypes) in rest.items():
+        if work >= MIN_WORK_S and us > 0:
+            groups.append((op, dtypes, sized / calls, work, us * 1e-6 - calls * call_seconds(cal)))
+    return groups

@@ -138,7 +138,8 @@ class Calibration(_Frozen):
     operator_factors: dict[str, list[tuple[float, float]]] = Field(
         default_factory=dict,
         description="on a CPU: each operator's time inside a profiled training step over what the tables charge "
-        "it, as [size per call (FLOPs, else bytes moved), factor] by probe size (zbench.plan.calibrate.in_step; "
+        "it, as [size per call (FLOPs, else bytes moved), factor] by size, one point per call shape timed (profiles "
+        "of 2026-11-30 and before: one per probe model, at its calls' mean size; zbench.plan.calibrate.in_step; "
         "'<op>:<dtype>' for an operator probed under autocast, which older profiles lack: the fp32 factor then; "
         "profiles before schema 5: none, every factor 1)",
     )
