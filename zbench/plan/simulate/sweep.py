@@ -24,14 +24,14 @@ CALIBRATED_RATIO_ERROR = 0.049
 #: What each compute model's predictions (``Cluster.compute_model``) measured against runs they were not fitted
 #: to, shown beside them (docs/methods.md#simulation; each figure with its date, machines and data file).
 MEASURED_ERROR = {
-    "calibrated": "measured error on a calibrated CPU profile: step time median 11-20%, worst 39-61% (predicted "
-    "too fast); ratio to DDP median 3.2-5.6%, worst 18-40%, Kendall tau 0.55-0.86 (four runs of 48-64 cases, tiny "
-    "to medium, worlds 1-2, the 2-core CPU machine, 2026-11-30, each range over the eight calibrations taken around "
-    "them; docs/data/validate_simulator_1130.json, _1130b.json, _1130c.json and _1130e.json): in the first three "
-    "(fp32) every ratio error over 14% is tiny's, whose measured ratio read two ways (paired rounds, step medians) "
-    "differs by up to 42%; in the fourth (small and medium, fp32 and bf16) FSDP2 at small ran 11-21% slower than "
-    "predicted against DDP and our ZeRO engines at medium 6-17% faster; at small over worlds 1-4, fp32 and bf16, "
-    "with and without checkpointing (96 cases, _1130d.json) the ratio's median 2.6-3.5%, worst 16-17%",
+    "calibrated": "measured error on a calibrated CPU profile, this model (a factor per operator call shape inside "
+    "a step): one run of 64 cases (small and medium, worlds 1-2, fp32 and bf16; the 2-core CPU machine, 2026-11-30; "
+    "docs/data/validate_simulator_1130f.json) over its two calibrations: step time median 13-15%, worst 34-38% (a "
+    "world-1 step moves with the calibration's thread speed-up, 1.29 and 1.59 an hour apart); ratio to DDP median "
+    "3.1%, worst 13-14%, Kendall tau 0.72-0.81. The model before (one factor per operator), over four runs and "
+    "eight calibrations (_1130.json, _1130b, _1130c, _1130e): step median 11-20%, worst 39-61%; ratio median "
+    "3.2-5.6%, worst 18-40%, tau 0.55-0.86; every ratio error over 14% in its fp32 runs was tiny's, whose measured "
+    "ratio read two ways (paired rounds, step medians) differs by up to 42%",
     "datasheet": "measured error on datasheet operator rates: all 46 published FSDP runs (torchtitan, fms-fsdp, "
     "llm-foundry; 8-512 A100/H100) ran slower than predicted, by 7-45% (median 29%; 2026-11-27, "
     "docs/data/validate_published.json): read tokens/s as an upper bound",
