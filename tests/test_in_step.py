@@ -177,3 +177,57 @@ def test_a_probe_step_times_the_operators_a_transformer_step_runs():
     assert "lerp_:bfloat16" not in factors  # the optimizer steps fp32 parameters under autocast too
     low, high = in_step.FACTOR_RANGE
     assert all(low <= f <= high for points in factors.values() for _, f in points)
+    assert fp32["wall_s"] > 0 and bf16["wall_s"] > 0  # each probe's step timed whole, without the profiler
+    assert set(in_step.step_residuals([fp32, bf16], cal)) == {"float32", "bfloat16"}
+
+
+def test_a_step_residual_is_the_probe_steps_unprofiled_time_over_its_charge():
+    """Each probe with a wall time gives ``(charged s, wall / charged)`` under its dtype, sorted by charge; a probe
+    recorded before the wall time was gives none; a wall time far off the charge (a burst of other work) is clamped.
+    Planted bugs this catches: the factors left out of the charge (the residual reads 2x the planted 1.25), the
+    residual inverted."""
+    cal = calibration(operator_factors={"add": [(1.0, 2.0)]})
+    adds = [entry("add", 2**20, count=100)]
+    charged = 100 * (2.0 * work_seconds(adds[0], cal, on_gpu=False) + 5e-6)
+    probes = [
+        {"dtype": "float32", "entries": adds, "wall_s": 1.25 * charged},
+        {"dtype": "float32", "entries": adds * 3, "wall_s": 3 * 1.10 * charged},
+        {"dtype": "bfloat16", "entries": adds, "wall_s": 50 * charged},
+        {"dtype": "float32", "entries": adds},  # an older probe: no wall time
+    ]
+    residuals = in_step.step_residuals(probes, cal)
+    assert residuals["float32"] == [
+        (pytest.approx(charged), pytest.approx(1.25)), (pytest.approx(3 * charged), pytest.approx(1.10))
+    ]
+    assert residuals["bfloat16"] == [(pytest.approx(charged), in_step.RESIDUAL_RANGE[1])]
+
+
+def test_the_step_model_multiplies_a_cases_operators_by_its_dtypes_residual_at_its_charge():
+    """A case's operators (not its implementation's measured host work) times the residual of its precision, linear
+    in log charge between the probes, the nearest beyond them, fp32's where its dtype was not probed, 1 without
+    any. Planted bugs this catches: the residual not applied to the phases, applied to the host work too, looked up
+    at the share-scaled charge (a world-1 case on two threads would read the larger probe's)."""
+    from zbench.plan.simulate.calibration import ImplementationOverhead
+    from zbench.plan.simulate.compute import case_phase_seconds, phase_seconds, step_residual
+    from zbench.plan.trace.plan import make_case
+
+    points = {"float32": [(0.1, 1.2), (1.0, 1.1)], "bfloat16": [(0.1, 1.5)]}
+    cal = calibration(step_residuals=points)
+    assert step_residual(cal, "fp32", 0.1) == pytest.approx(1.2) and step_residual(cal, "fp32", 10) == 1.1
+    assert step_residual(cal, "fp32", 0.1**0.5) == pytest.approx(1.15)  # halfway in log charge
+    assert step_residual(cal, "fp32", 0.001) == 1.2 and step_residual(cal, "bf16", 5.0) == 1.5
+    assert step_residual(cal, "fp16", 1.0) == pytest.approx(1.1)  # not probed: fp32's
+    assert step_residual(calibration(), "fp32", 1.0) == 1.0  # a profile from before the residuals
+    host = ImplementationOverhead(per_step_us=1000, per_block_us=0, residuals_us={})
+    with_host = cal.model_copy(update={"overheads": {"ddp-s0": host}})
+    add = entry("add", 2**20, count=2000)  # 0.1 s of work and dispatch at one thread: above the first probe
+    ops = {"backward": [add]}
+    case = make_case("small", "ddp", 0, "none", gpus=1, precision="fp32", micro_batch=2, seq_len=64, device="cpu",
+                     checkpointing=False)  # fmt: skip
+    for share in (1.0, 2.0):
+        bare = phase_seconds(ops, with_host, traced_world=1, world=1, sharded_step=False, share=share)["backward"]
+        expected = step_residual(cal, "fp32", bare * share)
+        assert 1.1 < expected < 1.2
+        phases = case_phase_seconds(ops, with_host, case, world=1, share=share)
+        assert phases["backward"] == pytest.approx(bare * expected)
+        assert phases["after_backward"] == pytest.approx(1e-3)  # measured host work: as measured

@@ -126,6 +126,7 @@ def calibrate(
     )
     if "in_step" in rank:  # before the residuals, which are taken against the operators' factored costs
         cal = cal.model_copy(update={"operator_factors": in_step.factors(rank["in_step"], cal)})
+        cal = cal.model_copy(update={"step_residuals": in_step.step_residuals(rank["in_step"], cal)})
     if "overheads" in rank:  # residuals against the operator costs just measured
         cal = cal.model_copy(update={"overheads": overheads.fit(rank["overheads"], cal)})
     return cal

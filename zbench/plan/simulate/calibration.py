@@ -135,6 +135,13 @@ class Calibration(_Frozen):
         default_factory=dict,
         description="on a CPU: each built-in's step beyond its operators, by '<implementation>-s<stage>'",
     )
+    step_residuals: dict[str, list[tuple[float, float]]] = Field(
+        default_factory=dict,
+        description="on a CPU: a probe model's whole training step, timed without the profiler, over what the "
+        "operator model charges it (its operators at their factors and per-call cost), by the probe step's dtype, "
+        "as [charged seconds, residual] by charged seconds (zbench.plan.calibrate.in_step.step_residuals): the "
+        "step's time outside the operators the ledger records; profiles before schema 7: none, residual 1",
+    )
     operator_factors: dict[str, list[tuple[float, float]]] = Field(
         default_factory=dict,
         description="on a CPU: each operator's time inside a profiled training step over what the tables charge "

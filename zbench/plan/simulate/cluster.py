@@ -13,7 +13,8 @@ microbenchmark, an assumption, or a measurement) and, in profiles ``zbench calib
 ``zbench.plan.simulate.datasheet``). Version 4 keeps each implementation probe's measured step beside its
 residual (``ImplementationOverhead.measured_us``), a wide probe's among them. Version 5 adds each operator's
 factor inside a training step (``Calibration.operator_factors``). Version 6 adds each implementation's host work per
-parameter element beyond DDP's (``ImplementationOverhead.per_element_us``), read off the wide probe.
+parameter element beyond DDP's (``ImplementationOverhead.per_element_us``), read off the wide probe. Version 7
+adds each probe step's time outside its recorded operators (``Calibration.step_residuals``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from zbench.plan.simulate.datasheet import DatasheetOperators, DatasheetRates
 BUILT_IN = Path(__file__).with_name("clusters")
 
 #: The newest profile layout this zbench reads and writes (the module docstring says what each adds).
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 class Link(BaseModel):

@@ -19,6 +19,12 @@ Each operator the trace recorded (``zbench.plan.trace.ops``) is charged:
   autograd, module calls, the optimizer's loop): on a CPU added to the work (the same thread does both), on
   a GPU the larger of the two (the host launches ahead while the device works).
 
+On a CPU profile the operators' total is multiplied by the calibration's step residual (``step_residuals``): a
+probe model's whole step, timed without the profiler, over what this model charges it, the time a step spends
+outside the operators the ledger records (the autograd engine, the optimizer's Python, freeing tensors); by the
+case's dtype, linear in log charge between the probes (the nearest probe's beyond them; fp32's where the dtype
+was not probed; 1 where the profile has none).
+
 On a CPU profile each implementation's own host work beyond its operators (hooks, wrappers, Python between the
 operators; ``zbench.plan.calibrate.overheads``) is added to the step, as measured per step, per block and per
 parameter element; it is charged with the optimizer step (``after_backward``), where nothing hides it.
@@ -192,6 +198,20 @@ def phase_seconds(
     return out
 
 
+#: A case's precision as the dtype names the calibration keys its probes by (``kernels.dtype_name``).
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def step_residual(cal: Rates, precision: str, charged_s: float) -> float:
+    """What a step of ``charged_s`` operator seconds (at one thread) in ``precision`` takes over that charge
+    (``Calibration.step_residuals``), between the probes' charges; 1 where the profile measured none."""
+    residuals = cal.step_residuals
+    points = residuals.get(PRECISION_DTYPES.get(precision, precision)) or residuals.get("float32")
+    if not points:
+        return 1.0
+    return _interpolated([(math.log(max(s, 1e-9)), r) for s, r in points], math.log(max(charged_s, 1e-9)))
+
+
 def implementation_seconds(cal: Rates, implementation: str, stage: int, blocks: int, elements: int = 0) -> float:
     """The calibrated host work of ``implementation`` at ``stage`` beyond its operators, for a model of ``blocks``
     blocks and ``elements`` parameter elements, each of the unsharded model: FSDP2's copies around its collectives,
@@ -214,6 +234,8 @@ def case_phase_seconds(
         ops, cal, traced_world=case.world_size, world=world, sharded_step=case.stage >= 1, offload=case.offload,
         share=share,
     )  # fmt: skip
+    residual = step_residual(cal, case.precision, sum(out.values()) * share)  # the charge at one thread
+    out = {phase: seconds * residual for phase, seconds in out.items()}
     info = model_info(case.model)
     out["after_backward"] = out.get("after_backward", 0.0) + implementation_seconds(
         cal, case.implementation, case.stage, len(info.block_sizes), info.parameters

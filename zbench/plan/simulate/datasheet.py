@@ -59,7 +59,7 @@ class DatasheetOperators(BaseModel):
 class DatasheetRates:
     """The figures ``zbench.plan.simulate.compute`` reads from a calibration, filled from a datasheet: one rate per
     dtype at every size, attention's own rate, one bandwidth, no host mapping cost, no measured implementation
-    overheads and no operator factors."""
+    overheads, no operator factors and no step residuals."""
 
     device: str
     matmul: list[MatmulPoint]
@@ -69,3 +69,4 @@ class DatasheetRates:
     mapped_gb_s: float | None = None
     overheads: dict[str, ImplementationOverhead] = field(default_factory=dict)
     operator_factors: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    step_residuals: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
