@@ -197,7 +197,8 @@ def test_a_step_residual_is_the_probe_steps_unprofiled_time_over_its_charge():
     ]
     residuals = in_step.step_residuals(probes, cal)
     assert residuals["float32"] == [
-        (pytest.approx(charged), pytest.approx(1.25)), (pytest.approx(3 * charged), pytest.approx(1.10))
+        (pytest.approx(charged), pytest.approx(1.25)),
+        (pytest.approx(3 * charged), pytest.approx(1.10)),
     ]
     assert residuals["bfloat16"] == [(pytest.approx(charged), in_step.RESIDUAL_RANGE[1])]
 
