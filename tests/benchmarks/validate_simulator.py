@@ -10,6 +10,8 @@ then the summary: median and worst |error| of the step time and of
 the ratio to DDP (DDP's own ratio, 1 by definition, left out), per implementation, and Kendall's tau between
 predicted and measured ratios, and how far the measured ratio's two readings (paired rounds, step medians) lie
 apart (``ratio_agreement``). Nothing is fitted to the runs: the profiles come from microbenchmarks.
+``--keep DIR`` keeps the suite, both profiles and every repeat's run (with the report) in that new directory, to
+re-predict them later (e.g. the same runs with other factors).
 """
 
 from __future__ import annotations

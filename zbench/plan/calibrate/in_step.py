@@ -32,7 +32,8 @@ import math
 import statistics
 import time
 from collections import defaultdict
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
@@ -41,7 +42,7 @@ from zbench.plan.simulate.calibration import Calibration, factor_key
 from zbench.plan.trace.ops import OpLedger
 
 #: (width, tokens per step) of the probe models: on a CPU two sizes that bracket a small and a mid-size block.
-#: 1,024 tokens at width 1024 (2,048 until 2026-12-01): its steps of 4.5 s were a third of the calibration's time.
+#: 1,024 tokens at width 1024 (2,048 before 2026-11-30 23:40: its steps of 4.5 s were a third of the calibration).
 PROBES = ((384, 512), (1024, 1024))
 QUICK_PROBES = ((256, 256),)
 #: The reduced precision a CPU rank computes in under autocast (``zbench.implementations._common.autocast``),
@@ -175,18 +176,42 @@ def factors(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, list[tu
     }
 
 
-def _call_groups(probe: dict[str, Any], cal: Calibration) -> list[tuple[str, set[str], float, float, float]]:
-    """``(op, dtypes, size per call, charged work s, measured s less dispatch)`` for each group of a probe's calls
-    timed together: each call shape the profiler matched to the ledger (``call_key``) with ``MIN_WORK_S`` of work,
-    and per operator the rest pooled at their mean size (shapes the profiler cannot tell apart, calls too small to
-    time alone), kept if the pool does that much work."""
+class CallGroup(NamedTuple):
+    """Calls of one operator timed together in a probe step."""
+
+    op: str
+    dtypes: set[str]
+    size: float
+    """Per call: FLOPs where the operator has them, else bytes moved."""
+    work_s: float
+    """What the tables charge the group's calls."""
+    measured_s: float
+    """Their profiled time less their calls' dispatch cost (``op_call_us``)."""
+
+
+@dataclass
+class _Pool:
+    """An operator's calls too small to time alone or that the profiler cannot tell apart, summed."""
+
+    work_s: float = 0.0
+    sized: float = 0.0
+    """Size per call times calls, summed: the pool's mean size times its calls."""
+    calls: int = 0
+    measured_us: float = 0.0
+    dtypes: set[str] = field(default_factory=set)
+
+
+def _call_groups(probe: dict[str, Any], cal: Calibration) -> list[CallGroup]:
+    """Each group of a probe's calls timed together: each call shape the profiler matched to the ledger
+    (``call_key``) with ``MIN_WORK_S`` of work, and per operator the rest pooled at their mean size (shapes the
+    profiler cannot tell apart, calls too small to time alone), kept if the pool does that much work."""
     from zbench.plan.simulate.compute import call_seconds, work_seconds
 
     by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e in probe["entries"]:
         by_key[call_key(e["op"], e["shapes"])].append(e)
     measured = probe["measured"]
-    rest: dict[str, list[Any]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, set()])  # work, size x calls, calls, us
+    pools: dict[str, _Pool] = defaultdict(_Pool)
     groups = []
     for key, entries in by_key.items():
         op = entries[0]["op"]
@@ -196,19 +221,20 @@ def _call_groups(probe: dict[str, Any], cal: Calibration) -> list[tuple[str, set
         dtypes = {e["dtype"] for e in entries}
         timed = measured.get(key)
         if timed is not None and timed[1] == calls and work >= MIN_WORK_S:
-            groups.append((op, dtypes, sized / calls, work, timed[0] * 1e-6 - calls * call_seconds(cal)))
+            groups.append(CallGroup(op, dtypes, sized / calls, work, timed[0] * 1e-6 - calls * call_seconds(cal)))
             continue
-        r = rest[op]
-        r[0], r[1], r[2] = r[0] + work, r[1] + sized, r[2] + calls
-        r[3] += timed[0] if timed is not None else 0.0
-        r[4] |= dtypes
-    for key, (us, _) in measured.items():  # calls the profiler could not tell apart by shape: their operator's rest
+        pool = pools[op]
+        pool.work_s, pool.sized, pool.calls = pool.work_s + work, pool.sized + sized, pool.calls + calls
+        pool.measured_us += timed[0] if timed is not None else 0.0
+        pool.dtypes |= dtypes
+    for key, (us, _) in measured.items():  # calls the profiler could not tell apart by shape: their operator's pool
         op = key.split("|", 1)[0]
-        if key not in by_key and op in rest:
-            rest[op][3] += us
-    for op, (work, sized, calls, us, dtypes) in rest.items():
-        if work >= MIN_WORK_S and us > 0:
-            groups.append((op, dtypes, sized / calls, work, us * 1e-6 - calls * call_seconds(cal)))
+        if key not in by_key and op in pools:
+            pools[op].measured_us += us
+    for op, pool in pools.items():
+        if pool.work_s >= MIN_WORK_S and pool.measured_us > 0:
+            seconds = pool.measured_us * 1e-6 - pool.calls * call_seconds(cal)
+            groups.append(CallGroup(op, pool.dtypes, pool.sized / pool.calls, pool.work_s, seconds))
     return groups
 
 
