@@ -222,6 +222,10 @@ class Capabilities:
         return None
 
 
+#: The dtype each precision computes in (autocast's under mixed precision, the parameters' in fp32).
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainSpec:
     """Everything an engine needs to know about how to train; identical for every implementation of a case group."""
@@ -246,7 +250,7 @@ class TrainSpec:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
+        return COMPUTE_DTYPES[self.precision]
 
     def optimizer_class_and_kwargs(self) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
         """The torch optimizer class and its arguments (for wrappers such as ``ZeroRedundancyOptimizer``)."""

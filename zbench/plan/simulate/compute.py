@@ -45,8 +45,10 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from zbench.cases.model_source import model_info
+from zbench.plan.calibrate.kernels import dtype_name
 from zbench.plan.simulate.calibration import Calibration, MatmulPoint, factor_key, overhead_key
 from zbench.plan.simulate.datasheet import DatasheetRates
+from zbench.protocol import COMPUTE_DTYPES
 
 if TYPE_CHECKING:
     from zbench.cases.case import Case
@@ -198,15 +200,11 @@ def phase_seconds(
     return out
 
 
-#: A case's precision as the dtype names the calibration keys its probes by (``kernels.dtype_name``).
-PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
 def step_residual(cal: Rates, precision: str, charged_s: float) -> float:
     """What a step of ``charged_s`` operator seconds (at one thread) in ``precision`` takes over that charge
     (``Calibration.step_residuals``), between the probes' charges; 1 where the profile measured none."""
-    residuals = cal.step_residuals
-    points = residuals.get(PRECISION_DTYPES.get(precision, precision)) or residuals.get("float32")
+    residuals = cal.step_residuals  # keyed as the probes' dtypes are named
+    points = residuals.get(dtype_name(COMPUTE_DTYPES[precision])) or residuals.get("float32")
     if not points:
         return 1.0
     return _interpolated([(math.log(max(s, 1e-9)), r) for s, r in points], math.log(max(charged_s, 1e-9)))
