@@ -37,8 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zbench.plan.calibrate.kernels import dtype_name
-from zbench.plan.simulate.calibration import Calibration, factor_key
+from zbench.plan.simulate.calibration import Calibration, dtype_name, factor_key
 from zbench.plan.trace.ops import OpLedger
 
 #: (width, tokens per step) of the probe models: on a CPU two sizes that bracket a small and a mid-size block.

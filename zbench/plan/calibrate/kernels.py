@@ -25,7 +25,7 @@ from torch import nn
 from zbench.errors import OneLineError
 from zbench.measure.memory import CPU_MALLOC_ENV
 from zbench.plan.calibrate.timer import Timer
-from zbench.plan.simulate.calibration import BandwidthPoint, MatmulPoint
+from zbench.plan.simulate.calibration import BandwidthPoint, MatmulPoint, dtype_name
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,6 @@ class Sizes:
             dtypes=(torch.float32, torch.bfloat16), stream_bytes=64 * 2**20,
             cached_bytes=(256 * 2**10, 2**20, 4 * 2**20, 16 * 2**20),
         )  # fmt: skip
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def layer_shapes(sizes: Sizes) -> Iterator[tuple[int, int, int]]:

@@ -8,7 +8,12 @@ time without calibrating again, and so that two calibrations can be compared fig
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    import torch
 
 
 class _Frozen(BaseModel):
@@ -55,6 +60,11 @@ class DiskProbe(_Frozen):
     write_gb_s: float = Field(gt=0, description="sequential write of a file, fsync included")
     read_gb_s: float = Field(gt=0, description="sequential read of that file after evicting it from the page cache")
     cache_evicted: bool = Field(description="whether the page cache could be told to drop the file before reading")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """How a calibration names a dtype in its tables and keys (``float32``, ``bfloat16``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def factor_key(op: str, dtype: str) -> str:

@@ -45,8 +45,7 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from zbench.cases.model_source import model_info
-from zbench.plan.calibrate.kernels import dtype_name
-from zbench.plan.simulate.calibration import Calibration, MatmulPoint, factor_key, overhead_key
+from zbench.plan.simulate.calibration import Calibration, MatmulPoint, dtype_name, factor_key, overhead_key
 from zbench.plan.simulate.datasheet import DatasheetRates
 from zbench.protocol import COMPUTE_DTYPES
 
