@@ -397,27 +397,3 @@ def test_a_probes_operators_read_untimed_are_those_its_timed_run_records():
         dist.destroy_process_group()
     assert untimed == timed["ops"]
     assert any(e["op"] in ("mm", "addmm") for e in untimed)  # the probe's products, not an empty ledger
-
-
-def test_a_burst_of_load_while_the_threads_are_timed_is_outlasted(monkeypatch):
-    """Each thread count is timed twice, in passes of opposite order, keeping its faster: a burst through the
-    first two-thread pass (a calibration once read 0.72, two threads slower than one) leaves the quiet speed-up."""
-    import torch
-
-    from zbench.plan.calibrate import kernels
-
-    quiet = {1: 0.010, 2: 0.006}
-    calls: list[int] = []
-
-    class BurstTimer:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def median_s(self, fn):
-            threads = torch.get_num_threads()
-            calls.append(threads)
-            return quiet[threads] * (2.5 if len(calls) == 2 else 1.0)
-
-    monkeypatch.setattr(kernels, "Timer", BurstTimer)
-    assert kernels.thread_speedup(2) == pytest.approx(0.010 / 0.006)
-    assert calls == [1, 2, 2, 1]

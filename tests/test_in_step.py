@@ -3,12 +3,14 @@ claims, the factor it is given over the tables' charge, and the step model charg
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
 from zbench.plan.calibrate import in_step
 from zbench.plan.simulate.calibration import BandwidthPoint, Calibration, MatmulPoint
-from zbench.plan.simulate.compute import memory_bandwidth, op_seconds, operator_factor, work_seconds
+from zbench.plan.simulate.compute import memory_bandwidth, op_seconds, operator_factor, phase_seconds, work_seconds
 
 
 def calibration(**extra: object) -> Calibration:
@@ -166,7 +168,8 @@ def test_a_probe_step_times_the_operators_a_transformer_step_runs():
     """The quick probes, for real: GELU, the products and the optimizer's operators are timed, each factor within
     the clamp, in fp32 and again under bf16 autocast, where the products and GELU get factors of their own."""
     cal = calibration()
-    fp32, bf16 = in_step.probe(quick=True)
+    threads_before = torch.get_num_threads()
+    fp32, bf16 = in_step.probe(quick=True, threads=2)
     assert (fp32["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
     assert {"gelu", "gelu_backward", "addmm", "mm", "lerp_"} <= ops(fp32["measured"])
     ledger = {in_step.call_key(e["op"], e["shapes"]) for e in fp32["entries"] if e["op"] in {"addmm", "lerp_"}}
@@ -179,6 +182,68 @@ def test_a_probe_step_times_the_operators_a_transformer_step_runs():
     assert all(low <= f <= high for points in factors.values() for _, f in points)
     assert fp32["wall_s"] > 0 and bf16["wall_s"] > 0  # each probe's step timed whole, without the profiler
     assert set(in_step.step_residuals([fp32, bf16], cal)) == {"float32", "bfloat16"}
+    assert fp32["threads"] == 2 and fp32["speedup"] > 0 and bf16["speedup"] > 0  # each paired with two threads'
+    assert set(in_step.thread_speedups([fp32, bf16], cal)) == {"float32", "bfloat16"}
+    assert torch.get_num_threads() == threads_before  # the pairs' thread count put back
+
+
+def test_each_wall_step_is_paired_with_one_on_every_cores_threads_right_after_it(monkeypatch):
+    """The speed-up is the median of each one-thread step over the all-threads step timed right after it: the host's
+    drift between pairs (1.6x within seconds on the 2-core machine) moves both steps of a pair alike. A burst through
+    one step (the third pair's two-thread step) costs one pair's ratio, which the median outvotes. Planted bug this
+    catches: the steps timed as all one-thread ones, then all two-thread ones (the drift, arriving between the
+    two runs, halves the read speed-up)."""
+    quiet = {1: 0.100, 2: 0.060}
+    drift = iter([1.0, 1.0, 1.6, 1.6, 1.6, 1.6 * 3])
+    order = []
+
+    def timed(step):
+        order.append(torch.get_num_threads())
+        return quiet[order[-1]] * next(drift)
+
+    monkeypatch.setattr(in_step, "_timed", timed)
+    walls, speedups = in_step._wall_steps(lambda: None, threads=2)
+    assert order == [1, 2] * in_step.WALL_STEPS
+    assert statistics.median(speedups) == pytest.approx(0.100 / 0.060)
+    assert walls == pytest.approx([0.100, 0.160, 0.160])
+    order.clear()
+    monkeypatch.setattr(in_step, "_timed", lambda step: order.append(torch.get_num_threads()) or 0.1)
+    assert in_step._wall_steps(lambda: None, threads=1) == ([0.1] * in_step.WALL_STEPS, [])  # one core: no pairs
+    assert order == [1] * in_step.WALL_STEPS
+
+
+def test_a_cases_thread_speed_up_is_its_dtypes_at_its_operators_charge_on_one_thread():
+    """A world-1 rank with both cores gains its dtype's measured speed-up (fp32 steps ran 1.68x on two threads, bf16
+    ones 1.27x, on the 2-core machine, 2026-12-01), between the probes by its charge at one thread, fp32's for a
+    dtype not probed; a profile from before schema 8 gives its one figure to every dtype; ranks with a core each or
+    less gain nothing. Planted bugs this catches: fp32's speed-up given to a bf16 case, the charge looked up at two
+    threads' speed."""
+    from types import SimpleNamespace
+
+    from zbench.plan.simulate.calibrated import rank_share
+    from zbench.plan.simulate.compute import thread_speedup
+    from zbench.plan.trace.plan import make_case
+
+    points = {"float32": [(0.1, 1.8), (1.0, 1.6)], "bfloat16": [(0.1, 1.3)]}
+    cal = calibration(thread_speedups=points)
+    assert thread_speedup(cal, "fp32", 0.1**0.5) == pytest.approx(1.7) and thread_speedup(cal, "fp16", 9) == 1.6
+    assert thread_speedup(calibration(thread_speedup=1.5), "bf16", 1.0) == 1.5  # before schema 8
+    assert thread_speedup(calibration(), "fp32", 1.0) is None
+
+    add = entry("add", 2**20, count=1000)  # 0.11 s at one thread: just above the first probe's charge
+    charged = phase_seconds({"backward": [add]}, cal, traced_world=1, world=1, sharded_step=False)["backward"]
+    assert charged == pytest.approx(0.11, rel=0.05)
+
+    def share(precision: str, world: int = 1) -> float:
+        case = make_case("small", "ddp", 0, "none", gpus=world, precision=precision, micro_batch=2, seq_len=64,
+                         device="cpu", checkpointing=False)  # fmt: skip
+        return rank_share(SimpleNamespace(case=case, trace=SimpleNamespace(ops={"backward": [add]})), cal, cores=2)
+
+    expected_fp32 = thread_speedup(cal, "fp32", charged)
+    assert 1.75 < expected_fp32 <= 1.8
+    assert share("fp32") == pytest.approx(expected_fp32)
+    assert share("bf16") == pytest.approx(1.3)
+    assert share("fp32", world=2) == 1.0
 
 
 def test_a_step_residual_is_the_probe_steps_unprofiled_time_over_its_charge():

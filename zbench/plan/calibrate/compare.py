@@ -66,9 +66,10 @@ def _figures(profile: Cluster) -> dict[str, float]:
         out["collective_issue_us"] = cal.collective_issue_us
     if cal.disk is not None:
         out["disk write_gb_s"], out["disk read_gb_s"] = cal.disk.write_gb_s, cal.disk.read_gb_s
-    for dtype, points in cal.step_residuals.items():
-        for i, (_, residual) in enumerate(points, 1):  # by the probe's place in charge: its seconds drift
-            out[f"step residual {dtype} probe {i} of {len(points)}"] = residual
+    for label, by_dtype in (("step residual", cal.step_residuals), ("thread speed-up", cal.thread_speedups)):
+        for dtype, points in by_dtype.items():
+            for i, (_, value) in enumerate(points, 1):  # by the probe's place in charge: its seconds drift
+                out[f"{label} {dtype} probe {i} of {len(points)}"] = value
     for op, points in cal.operator_factors.items():
         for size, factor in points:  # by the size per call it was measured at (FLOPs, else bytes moved)
             out[f"{op} factor at {size:.3g}"] = factor

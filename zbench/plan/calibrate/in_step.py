@@ -32,6 +32,7 @@ import math
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -54,7 +55,8 @@ BLOCKS, VOCAB, SEQ = 2, 4096, 128
 #: Identical steps profiled per probe, each operator's time their median: one step's optimizer operators read
 #: 1.4-1.8 times their charge in one calibration and 2.2-3.5 in the next (2026-11-30).
 PROFILED_STEPS = 5
-#: Unprofiled steps per probe timed whole, their median its step's wall time (``step_residuals``).
+#: Unprofiled steps per probe timed whole, their median its step's wall time (``step_residuals``); each is paired
+#: with a step on every core's threads, timed right after it (``thread_speedups``).
 WALL_STEPS = 3
 #: The residuals kept are clamped to this range: a probe step timed during a burst of other work is not the model.
 RESIDUAL_RANGE = (0.8, 2.0)
@@ -65,18 +67,19 @@ MIN_WORK_S = 200e-6
 FACTOR_RANGE = (0.1, 10.0)
 
 
-def probe(quick: bool = False) -> list[dict[str, Any]]:
+def probe(quick: bool = False, threads: int = 1) -> list[dict[str, Any]]:
     """For each probe shape in fp32, then the first under autocast to each of ``AUTOCAST_DTYPES``: one step's ledger
     (``OpLedger.take``'s entries), each ledger operator's time in the next ``PROFILED_STEPS`` identical steps,
     their median (microseconds and calls, ``measured``), and the median of ``WALL_STEPS`` more, timed whole without
-    the profiler (``wall_s``). Runs in a rank's environment (one thread, glibc's mmap
-    threshold pinned: ``zbench.plan.calibrate.kernels.rank_probes``)."""
+    the profiler (``wall_s``), each followed by one on ``threads`` threads (``speedup``: the median of the pairs'
+    ratios, where ``threads`` > 1). Runs in a rank's environment (one thread, glibc's mmap threshold pinned:
+    ``zbench.plan.calibrate.kernels.rank_probes``)."""
     shapes = QUICK_PROBES if quick else PROBES
-    full = [_probe_one(width, tokens, torch.float32) for width, tokens in shapes]
-    return full + [_probe_one(*shapes[0], dtype) for dtype in AUTOCAST_DTYPES]
+    full = [_probe_one(width, tokens, torch.float32, threads) for width, tokens in shapes]
+    return full + [_probe_one(*shapes[0], dtype, threads) for dtype in AUTOCAST_DTYPES]
 
 
-def _probe_one(width: int, tokens: int, dtype: torch.dtype) -> dict[str, Any]:
+def _probe_one(width: int, tokens: int, dtype: torch.dtype, threads: int) -> dict[str, Any]:
     from zbench.cases.models import GPT
     from zbench.presets import GPTConfig
     from zbench.protocol import TrainSpec
@@ -110,13 +113,35 @@ def _probe_one(width: int, tokens: int, dtype: torch.dtype) -> dict[str, Any]:
         key: (statistics.median(p[key][0] for p in profiled if key in p), calls)
         for key, (_, calls) in profiled[0].items()
     }
-    walls = []
-    for _ in range(WALL_STEPS):
-        started = time.perf_counter()
-        step()
-        walls.append(time.perf_counter() - started)
-    return {"width": width, "tokens": tokens, "dtype": dtype_name(dtype), "entries": entries, "measured": measured,
-            "wall_s": statistics.median(walls)}  # fmt: skip
+    walls, speedups = _wall_steps(step, threads)
+    out = {"width": width, "tokens": tokens, "dtype": dtype_name(dtype), "entries": entries, "measured": measured,
+           "wall_s": statistics.median(walls)}  # fmt: skip
+    return {**out, "threads": threads, "speedup": statistics.median(speedups)} if speedups else out
+
+
+def _wall_steps(step: Callable[[], None], threads: int) -> tuple[list[float], list[float]]:
+    """``WALL_STEPS`` steps on one thread, timed whole, and where ``threads`` > 1 each one's time over that of a step
+    on ``threads`` threads timed right after it. Paired step by step, as a burst of other work or the host's drift
+    (up to 1.6 times within seconds on the 2-core machine, 2026-12-01) moves both steps of a pair alike."""
+    walls, speedups = [], []
+    before = torch.get_num_threads()
+    try:
+        for _ in range(WALL_STEPS):
+            torch.set_num_threads(1)
+            one = _timed(step)
+            walls.append(one)
+            if threads > 1:
+                torch.set_num_threads(threads)
+                speedups.append(one / _timed(step))
+    finally:
+        torch.set_num_threads(before)
+    return walls, speedups
+
+
+def _timed(step: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    step()
+    return time.perf_counter() - started
 
 
 def call_key(op: str, shapes: Any) -> str:
@@ -245,14 +270,32 @@ def step_residuals(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, 
     ``small``'s bare step 184 ms where it took 204 (``medium``: 1,576 against 1,614; in bf16 134 against 162 and
     1,030 against 1,172) and the probe models read the same: 8.4% and 4.0% over in fp32, 24% in bf16. Probes
     recorded before the wall time was: none."""
+    return _by_charge(
+        [p for p in probes if "wall_s" in p], cal,
+        lambda p, charged: min(max(p["wall_s"] / charged, RESIDUAL_RANGE[0]), RESIDUAL_RANGE[1]),
+    )  # fmt: skip
+
+
+def thread_speedups(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, list[tuple[float, float]]]:
+    """``{dtype: [(charged s, speed-up), ...]}`` by increasing charge: how much faster each probe's step ran on every
+    core's threads than on one (``_wall_steps``), what a CPU rank with the cores to itself gains
+    (``zbench.plan.simulate.calibrated.cpu_share``). Per dtype, as the gain is the dtype's: on the 2-core machine
+    (2026-12-01) fp32 steps of ``small`` and ``medium`` ran 1.68 and 1.76 times as fast on two threads, bf16 steps
+    1.27 and 1.48, where the one figure calibrate took before (a transformer MLP's fp32 step) read 1.42-1.51 for
+    both. Probes from a one-core machine or recorded before the pairs were: none."""
+    return _by_charge([p for p in probes if "speedup" in p], cal, lambda p, _: p["speedup"])
+
+
+def _by_charge(
+    probes: list[dict[str, Any]], cal: Calibration, value: Callable[[dict[str, Any], float], float]
+) -> dict[str, list[tuple[float, float]]]:
+    """``{dtype: [(charged s, value(probe, charged)), ...]}`` by increasing charge, each probe's charge what ``cal``
+    charges its operators at one thread (``compute.op_seconds``)."""
     from zbench.plan.simulate.compute import op_seconds
 
     out: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for p in probes:
-        if "wall_s" not in p:
-            continue
         charged = sum(op_seconds(e, cal, on_gpu=False) for e in p["entries"])
         if charged > 0:
-            residual = min(max(p["wall_s"] / charged, RESIDUAL_RANGE[0]), RESIDUAL_RANGE[1])
-            out[p.get("dtype", "float32")].append((charged, residual))
+            out[p.get("dtype", "float32")].append((charged, value(p, charged)))
     return {dtype: sorted(points) for dtype, points in sorted(out.items())}

@@ -122,39 +122,8 @@ def mapped_probe(nbytes: int = 4 * 2**20) -> float:
     return nbytes / max(fresh_s - reuse_s, 1e-9) / 1e9
 
 
-def thread_speedup(threads: int, tokens: int = 512, hidden: int = 256) -> float:
-    """How much faster a training step of one transformer-sized MLP (``tokens x hidden`` through ``4 hidden`` and
-    back, GELU, AdamW) runs on ``threads`` threads than on one: what a CPU rank gains from the cores it has to
-    itself. Operators do not all scale with threads (the per-call costs not at all), so this is measured rather
-    than taken to be ``threads``. Timed in passes of opposite order (one thread, ``threads``, ``threads``, one),
-    each count keeping its faster: a burst of other work only adds time, and one calibration timed one thread
-    and then two in a single pass each and read 0.72, two threads slower than one, where the next read 1.61
-    (2026-11-30, the 2-core machine): its world-1 step predictions came out a median 34% too slow, the next
-    calibration's 35% too fast."""
-    model = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
-    opt = torch.optim.AdamW(model.parameters())
-    x = torch.randn(tokens, hidden)
-
-    def step() -> None:
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-    before = torch.get_num_threads()
-    timer = Timer(torch.device("cpu"), budget_s=0.4)
-    fastest: dict[int, float] = {}
-    try:
-        for n in (1, threads, threads, 1):
-            torch.set_num_threads(n)
-            seconds = timer.median_s(step)
-            fastest[n] = min(seconds, fastest.get(n, seconds))
-        return fastest[1] / fastest[threads]
-    finally:
-        torch.set_num_threads(before)
-
-
 def rank_probes(quick: bool = False) -> dict[str, Any]:
-    """``mapped_probe``, ``thread_speedup`` (over every core), operators inside a training step
+    """``mapped_probe``, operators inside a training step and their steps' speed-up over every core
     (``zbench.plan.calibrate.in_step.probe``) and the implementations' step overheads
     (``zbench.plan.calibrate.overheads.probe``) as a CPU rank of zbench runs: glibc's mmap
     threshold pinned (``zbench.measure.memory.CPU_MALLOC_ENV``, or the value the user exports, as the launcher
@@ -164,8 +133,7 @@ def rank_probes(quick: bool = False) -> dict[str, Any]:
     code = (
         "import json, torch; from zbench.plan.calibrate import in_step, kernels, overheads; "
         "torch.set_num_threads(1); print(json.dumps({'mapped_gb_s': kernels.mapped_probe(), "
-        "'thread_speedup': kernels.thread_speedup(kernels.cores()), "
-        f"'in_step': in_step.probe(quick={quick!r}), 'overheads': overheads.probe()}}))"
+        f"'in_step': in_step.probe(quick={quick!r}, threads=kernels.cores()), 'overheads': overheads.probe()}}))"
     )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:

@@ -21,8 +21,9 @@ import os
 
 from pydantic import computed_field
 
+from zbench.plan.simulate.calibration import Calibration
 from zbench.plan.simulate.cluster import Cluster
-from zbench.plan.simulate.compute import case_phase_seconds
+from zbench.plan.simulate.compute import case_phase_seconds, phase_seconds, thread_speedup
 from zbench.plan.simulate.run_file import Prediction
 from zbench.plan.simulate.step import StepEstimate
 from zbench.plan.simulate.sweep import estimate_row
@@ -53,7 +54,8 @@ def cpu_share(world: int, cores: int, threads_per_rank: int, thread_speedup: flo
     rank (``zbench.rank.worker``: ``$ZBENCH_THREADS_PER_RANK``, else ``cores // world``, at least one), and
     never more than ``cores / world`` cores each when ranks outnumber cores. More threads than calibrated gain
     what the calibration measured (``thread_speedup`` on every core; linear between), where it measured it:
-    the 2-core machine's two threads ran a step 1.34 times as fast as one, not twice."""
+    the 2-core machine's two threads ran an fp32 step of ``small`` 1.68 times as fast as one, a bf16 step 1.27
+    times (2026-12-01), not twice."""
     threads = int(os.environ.get("ZBENCH_THREADS_PER_RANK", max(1, cores // world)))
     share = min(threads, cores / world) / threads_per_rank
     most = cores / threads_per_rank
@@ -69,8 +71,20 @@ def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> StepEstimat
     if cal is None:
         raise ValueError(f"profile {cluster.name} is not calibrated: no operator costs to charge")
     case, world = row.case, row.case.world_size
-    share = cpu_share(world, cores, cal.threads_per_rank, cal.thread_speedup) if cal.device == "cpu" else 1.0
+    share = rank_share(row, cal, cores=cores) if cal.device == "cpu" else 1.0
     return estimate_row(row, cluster, world, case_phase_seconds(row.trace.ops, cal, case, world=world, share=share))
+
+
+def rank_share(row: TracedRow, cal: Calibration, *, cores: int) -> float:
+    """``cpu_share`` of a traced case's rank, with the thread speed-up the calibration measured for the case's dtype
+    at its operators' charge on one thread (``compute.thread_speedup``)."""
+    case = row.case
+    charged = sum(
+        phase_seconds(row.trace.ops, cal, traced_world=case.world_size, world=case.world_size,
+                      sharded_step=case.stage >= 1, offload=case.offload).values()
+    )  # fmt: skip
+    speedup = thread_speedup(cal, case.precision, charged)
+    return cpu_share(case.world_size, cores, cal.threads_per_rank, speedup)
 
 
 def predict_calibrated(

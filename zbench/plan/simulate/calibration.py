@@ -139,8 +139,14 @@ class Calibration(_Frozen):
     thread_speedup: float | None = Field(
         default=None,
         gt=0,
-        description="on a CPU: a transformer MLP's training step on every core's threads against one thread (a "
-        "world-1 rank has them all); none on a GPU",
+        description="profiles before schema 8, on a CPU: a transformer MLP's fp32 training step on every core's "
+        "threads against one thread, for every dtype (thread_speedups replaces it)",
+    )
+    thread_speedups: dict[str, list[tuple[float, float]]] = Field(
+        default_factory=dict,
+        description="on a CPU: {dtype: [[charged s, speed-up], ...]}, each in-step probe's step on every core's "
+        "threads against one thread (a world-1 rank has them all), by the probe's charge at one thread; none on a "
+        "GPU or one core",
     )
     overheads: dict[str, ImplementationOverhead] = Field(
         default_factory=dict,

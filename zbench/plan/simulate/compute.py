@@ -202,10 +202,22 @@ def phase_seconds(
 def step_residual(cal: Rates, precision: str, charged_s: float) -> float:
     """What a step of ``charged_s`` operator seconds (at one thread) in ``precision`` takes over that charge
     (``Calibration.step_residuals``), between the probes' charges; 1 where the profile measured none."""
-    residuals = cal.step_residuals  # keyed as the probes' dtypes are named
-    points = residuals.get(dtype_name(COMPUTE_DTYPES[precision])) or residuals.get("float32")
+    return _by_charge(cal.step_residuals, precision, charged_s) or 1.0
+
+
+def thread_speedup(cal: Rates, precision: str, charged_s: float) -> float | None:
+    """How much faster a step of ``charged_s`` operator seconds (at one thread) in ``precision`` runs on every core's
+    threads than on one (``Calibration.thread_speedups``), between the probes' charges; a profile from before
+    schema 8 gives its one figure for every dtype; ``None`` where none was measured (a GPU)."""
+    return _by_charge(cal.thread_speedups, precision, charged_s) or cal.thread_speedup
+
+
+def _by_charge(by_dtype: dict[str, list[tuple[float, float]]], precision: str, charged_s: float) -> float | None:
+    """A per-dtype probe figure at ``charged_s``: linear in log charge between the probes, the nearest beyond them,
+    fp32's for a dtype not probed; ``None`` where there is none."""
+    points = by_dtype.get(dtype_name(COMPUTE_DTYPES[precision])) or by_dtype.get("float32")  # keyed as the probes'
     if not points:
-        return 1.0
+        return None
     return _interpolated([(math.log(max(s, 1e-9)), r) for s, r in points], math.log(max(charged_s, 1e-9)))
 
 
