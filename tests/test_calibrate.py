@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import random
-from contextlib import contextmanager
 
 import pytest
 import yaml
 
-from tests.test_in_step import calibration
 from zbench.plan.calibrate.collectives import OPS, ledger_bytes
 from zbench.plan.calibrate.fit import FitError, crossing_bytes, fit_alpha_beta, hops
 from zbench.plan.calibrate.overheads import probe_shapes, probed
@@ -321,15 +319,9 @@ def test_a_burst_of_load_during_one_pass_of_the_probes_is_outlasted(monkeypatch)
         first_pass.setdefault(key, seconds)
         return {"key": key, "blocks": blocks, "width": width, "seconds": seconds, "ops": []}
 
-    @contextmanager
-    def steady_reference():
-        yield lambda: 0.150
-
     monkeypatch.setattr(overheads, "_one", one)
-    monkeypatch.setattr(overheads, "ddp_wide_reference", steady_reference)
     monkeypatch.setattr(overheads, "probed", lambda: [("ddp", 0), ("deepspeed", 1), ("zero1", 1)])
     probes = overheads.probe()
-    assert all(p["reference_s"] == 0.150 for p in probes if p["width"] != overheads.NARROW)
     wide = {p["key"]: p["seconds"] for p in probes if p["width"] != overheads.NARROW}
     assert wide == pytest.approx(quiet)  # neither pass alone, nor the first or the last of each, reads this
     assert wide["deepspeed-s1"] - wide["zero1-s1"] == pytest.approx(0.070)
@@ -340,44 +332,6 @@ def test_a_burst_of_load_during_one_pass_of_the_probes_is_outlasted(monkeypatch)
     assert [k for k, w in calls if w != overheads.NARROW][3:] == ["zero1-s1", "deepspeed-s1", "ddp-s0"]
     # the first pass alone would have read the burst: DeepSpeed 196 ms over zero1 where the machine gives 70
     assert first_pass["deepspeed-s1"] - first_pass["zero1-s1"] == pytest.approx(0.196)
-
-
-def _wide_and_narrow(key: str, wide_s: float, reference_s: float) -> list[dict]:
-    """One implementation's probes with no operators (each residual is its step): narrow steps of 1 + 0.5 x blocks
-    ms, and the wide step beside the DDP step timed before it."""
-    from zbench.plan.calibrate import overheads
-
-    *narrow, (blocks, width, _) = overheads.PROBES
-    return [{"key": key, "blocks": b, "width": w, "seconds": (1 + 0.5 * b) * 1e-3, "ops": []} for b, w, _ in narrow] + [
-        {"key": key, "blocks": blocks, "width": width, "seconds": wide_s, "ops": [], "reference_s": reference_s}
-    ]
-
-
-def test_a_slow_spell_through_the_middle_of_the_wide_probes_cancels_against_ddp_steps_timed_beside_them():
-    """Each wide probe is read in DDP's terms, by the DDP step timed just before it: a slow spell that made the
-    ZeRO family's wide steps 1.3x (as one calibration read them 24-43 ms slow, their per-element terms 4.6-7.5 ns
-    where the others read 0.35-1.3, 2026-12-01) slows their references alike and leaves the per-element terms a
-    steady machine gives. Read without the references (the planted bug), the spell is charged as host work per
-    parameter element."""
-    from zbench.plan.calibrate import overheads
-
-    cal = calibration()
-    _, elements = overheads.probe_shapes()[overheads.label(*overheads.PROBES[-1][:2])]
-    steady = {"ddp-s0": 0.150, "fsdp2-s3": 0.165, "zero1-s1": 0.155, "zero3-s3": 0.180}
-    ddp_step, spell = 0.150, {"zero1-s1", "zero3-s3"}
-    probes = [
-        p for key, seconds in steady.items()
-        for p in _wide_and_narrow(key, seconds * (1.3 if key in spell else 1), ddp_step * (1.3 if key in spell else 1))
-    ]  # fmt: skip
-    expected = {key: (seconds - 0.150) / elements * 1e6 for key, seconds in steady.items()}
-    fitted = {key: o.per_element_us for key, o in overheads.fit(probes, cal).items()}
-    assert fitted == pytest.approx(expected, rel=1e-9, abs=1e-12)
-    assert overheads.fit(probes, cal)["zero3-s3"].measured_us["2x512"] == pytest.approx(180_000)
-
-    unpaired = [{k: v for k, v in p.items() if k != "reference_s"} for p in probes]
-    read_raw = {key: o.per_element_us for key, o in overheads.fit(unpaired, cal).items()}
-    assert read_raw["zero1-s1"] > expected["zero1-s1"] + 0.04 / elements * 1e6  # the spell's 46 ms, as host work
-    assert read_raw["fsdp2-s3"] == pytest.approx(expected["fsdp2-s3"])  # outside the spell: the same either way
 
 
 def test_a_probes_operators_read_untimed_are_those_its_timed_run_records():

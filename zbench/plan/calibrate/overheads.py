@@ -18,11 +18,7 @@ bytes rather than the modules (on 2 CPU cores DeepSpeed's stage-1 step was 3 ms 
 width 32 and 35-115 ms at width 512, six runs, 2026-11-29, where ``small`` and ``medium`` had been predicted
 7-13% too fast). The wide probe's remainder beyond its operators and the narrow fit is mostly the operator
 model's own error at that width, common to every implementation: DDP's is taken as that error, and what each
-implementation's exceeds it by is charged per parameter element (``per_element_beyond``). Since that term is a
-difference of steps timed seconds apart, each wide probe is paired with a DDP wide step timed just before it, and
-read in DDP's terms (``in_ddp_terms``): a slow spell through the middle of both passes (one calibration read the
-ZeRO family's wide steps 24-43 ms slow, per-element terms of 4.6-7.5 ns where others read 0.35-1.3, 2026-12-01)
-slows the pair alike and cancels.
+implementation's exceeds it by is charged per parameter element (``per_element_beyond``).
 The probe model is none of the cases a validation predicts: nothing is fitted to them. At world 1 no collective
 crosses a link, so what this measures is the host's own work; the links are the collective curves' business.
 On a GPU this is not measured (the host's work there overlaps the device's, and the probe would time the
@@ -32,7 +28,7 @@ launches instead).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -60,8 +56,6 @@ DDP_KEY = overhead_key("ddp", 0)
 #: three steps of 120-240 ms, DeepSpeed's difference from the reference engine there read 57, 115 and 61 ms in
 #: three runs (2026-11-29).
 WIDE_BUDGET_S = 0.8
-#: The DDP wide step timed before each wide probe (``in_ddp_terms``): three steps after the timer's warm-up one.
-REFERENCE_TIMER = Timer(torch.device("cpu"), budget_s=0.0)
 VOCAB, TOKENS, BATCH = 128, 32, 4
 
 
@@ -143,35 +137,9 @@ def probe() -> list[dict[str, Any]]:
         *narrow_shapes, wide = PROBES
         twice = each + each[::-1]
         narrow = [_one(impl, stage, *shape, narrow_timer) for impl, stage in twice for shape in narrow_shapes]
-        with ddp_wide_reference() as reference_s:
-            paired = [{**_one(impl, stage, *wide, wide_timer), "reference_s": reference_s()} for impl, stage in twice]
-        return faster_pass(narrow) + faster_pass(paired)
+        return faster_pass(narrow) + faster_pass([_one(impl, stage, *wide, wide_timer) for impl, stage in twice])
     finally:
         dist.destroy_process_group()
-
-
-@contextmanager
-def ddp_wide_reference() -> Iterator[Callable[[], float]]:
-    """A DDP engine at the wide probe's shape, kept warm beside the others; each call times its step now (the
-    ``reference_s`` each wide probe is paired with, ``in_ddp_terms``)."""
-    with _probe_engine("ddp", 0, *PROBES[-1]) as (engine, batch):
-        yield lambda: REFERENCE_TIMER.median_s(lambda: engine.step(batch))
-
-
-def in_ddp_terms(probes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The wide probes' steps scaled by the DDP step timed just before DDP's own wide probe over the one timed just
-    before each (its ``reference_s``): what each would have read at the moment DDP's probe ran (DDP's own reads
-    as measured), so that the differences ``fit`` takes between implementations are not differences between
-    moments. Probes without a reference (the narrow ones) and probes from a run without DDP's wide probe are
-    returned as they are."""
-    ddp = [p for p in probes if p["key"] == DDP_KEY and p["width"] != NARROW and "reference_s" in p]
-    if not ddp:
-        return probes
-    scale_s = ddp[0]["reference_s"]
-    return [
-        {**p, "seconds": p["seconds"] * scale_s / p["reference_s"]} if "reference_s" in p else p
-        for p in probes
-    ]  # fmt: skip
 
 
 def faster_pass(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -193,11 +161,11 @@ def faster_pass(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def fit(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, ImplementationOverhead]:
     """Each implementation's residual at the narrow probes, as ``per_step + per_block x blocks`` through the two,
     and what its wide probe leaves beyond that and beyond DDP's, per parameter element (``per_element_beyond``);
-    every probe's measured step kept beside it, the wide ones in DDP's terms (``in_ddp_terms``)."""
+    every probe's measured step kept beside it."""
     residuals: dict[str, dict[int, float]] = {}
     wide: dict[str, tuple[int, float]] = {}
     measured: dict[str, dict[str, float]] = {}
-    for p in in_ddp_terms(probes):
+    for p in probes:
         measured.setdefault(p["key"], {})[label(p["blocks"], p["width"])] = p["seconds"] * 1e6
         residual = p["seconds"] - sum(op_seconds(e, cal, on_gpu=False) for e in p["ops"])
         if p["width"] == NARROW:

@@ -97,8 +97,7 @@ class ImplementationOverhead(_Frozen):
     measured_us: dict[str, float] = Field(
         default_factory=dict,
         description="each probe's measured median step, by depth at the narrow width and 'DxW' for the wide probe "
-        "(operators and host work together; the wide one scaled to the moment DDP's wide probe ran, by a DDP step "
-        "timed beside each; profiles before schema 4: not kept)",
+        "(operators and host work together; profiles before schema 4: not kept)",
     )
 
 
