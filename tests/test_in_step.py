@@ -213,11 +213,11 @@ def test_each_wall_step_is_paired_with_one_on_every_cores_threads_right_after_it
 
 
 def test_a_cases_thread_speed_up_is_its_dtypes_at_its_operators_charge_on_one_thread():
-    """A world-1 rank with both cores gains its dtype's measured speed-up (fp32 steps ran 1.68x on two threads, bf16
-    ones 1.27x, on the 2-core machine, 2026-12-01), between the probes by its charge at one thread, fp32's for a
-    dtype not probed; a profile from before schema 8 gives its one figure to every dtype; ranks with a core each or
-    less gain nothing. Planted bugs this catches: fp32's speed-up given to a bf16 case, the charge looked up at two
-    threads' speed."""
+    """A world-1 rank with both cores gains its dtype's measured speed-up (fp32 steps of ``small`` ran 1.60-1.70x on
+    two threads, bf16 ones 1.24-1.30x, on the 2-core machine, 2026-12-01), between the probes by its charge at one
+    thread, fp32's for a dtype not probed; a profile from before schema 8 gives its one figure to every dtype; ranks
+    with a core each or less gain nothing. Planted bugs this catches: fp32's speed-up given to a bf16 case, the
+    charge looked up at two threads' speed."""
     from types import SimpleNamespace
 
     from zbench.plan.simulate.calibrated import rank_share

@@ -280,9 +280,10 @@ def thread_speedups(probes: list[dict[str, Any]], cal: Calibration) -> dict[str,
     """``{dtype: [(charged s, speed-up), ...]}`` by increasing charge: how much faster each probe's step ran on every
     core's threads than on one (``_wall_steps``), what a CPU rank with the cores to itself gains
     (``zbench.plan.simulate.calibrated.cpu_share``). Per dtype, as the gain is the dtype's: on the 2-core machine
-    (2026-12-01) fp32 steps of ``small`` and ``medium`` ran 1.68 and 1.76 times as fast on two threads, bf16 steps
-    1.27 and 1.48, where the one figure calibrate took before (a transformer MLP's fp32 step) read 1.42-1.51 for
-    both. Probes from a one-core machine or recorded before the pairs were: none."""
+    (2026-12-01, two reads each) fp32 steps of ``small`` and ``medium`` ran 1.60-1.70 and 1.68-1.76 times as fast
+    on two threads, bf16 steps 1.24-1.30 and 1.26-1.48, where the one figure calibrate took before (a transformer
+    MLP's fp32 step) read 1.42-1.51 for both. Probes from a one-core machine or recorded before the pairs were:
+    none."""
     return _by_charge([p for p in probes if "speedup" in p], cal, lambda p, _: p["speedup"])
 
 

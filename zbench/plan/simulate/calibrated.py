@@ -54,8 +54,8 @@ def cpu_share(world: int, cores: int, threads_per_rank: int, thread_speedup: flo
     rank (``zbench.rank.worker``: ``$ZBENCH_THREADS_PER_RANK``, else ``cores // world``, at least one), and
     never more than ``cores / world`` cores each when ranks outnumber cores. More threads than calibrated gain
     what the calibration measured (``thread_speedup`` on every core; linear between), where it measured it:
-    the 2-core machine's two threads ran an fp32 step of ``small`` 1.68 times as fast as one, a bf16 step 1.27
-    times (2026-12-01), not twice."""
+    the 2-core machine's two threads ran an fp32 step of ``small`` 1.60-1.70 times as fast as one, a bf16 step
+    1.24-1.30 times (2026-12-01), not twice."""
     threads = int(os.environ.get("ZBENCH_THREADS_PER_RANK", max(1, cores // world)))
     share = min(threads, cores / world) / threads_per_rank
     most = cores / threads_per_rank
