@@ -218,10 +218,7 @@ def test_a_cases_thread_speed_up_is_its_dtypes_at_its_operators_charge_on_one_th
     thread, fp32's for a dtype not probed; a profile from before schema 8 gives its one figure to every dtype; ranks
     with a core each or less gain nothing. Planted bugs this catches: fp32's speed-up given to a bf16 case, the
     charge looked up at two threads' speed."""
-    from types import SimpleNamespace
-
-    from zbench.plan.simulate.calibrated import rank_share
-    from zbench.plan.simulate.compute import thread_speedup
+    from zbench.plan.simulate.compute import case_phase_seconds, rank_share, thread_speedup
     from zbench.plan.trace.plan import make_case
 
     points = {"float32": [(0.1, 1.8), (1.0, 1.6)], "bfloat16": [(0.1, 1.3)]}
@@ -235,15 +232,20 @@ def test_a_cases_thread_speed_up_is_its_dtypes_at_its_operators_charge_on_one_th
     assert charged == pytest.approx(0.11, rel=0.05)
 
     def share(precision: str, world: int = 1) -> float:
+        """The share ``case_phase_seconds`` charged a case's operators at, read back off its phases."""
         case = make_case("small", "ddp", 0, "none", gpus=world, precision=precision, micro_batch=2, seq_len=64,
                          device="cpu", checkpointing=False)  # fmt: skip
-        return rank_share(SimpleNamespace(case=case, trace=SimpleNamespace(ops={"backward": [add]})), cal, cores=2)
+        phases = case_phase_seconds({"backward": [add]}, cal, case, world=world, cores=2)
+        work = charged - add["count"] * (cal.op_call_us or 0.0) * 1e-6  # its dispatch stays at one thread's
+        return work / (phases["backward"] - (charged - work))
 
     expected_fp32 = thread_speedup(cal, "fp32", charged)
     assert 1.75 < expected_fp32 <= 1.8
     assert share("fp32") == pytest.approx(expected_fp32)
     assert share("bf16") == pytest.approx(1.3)
-    assert share("fp32", world=2) == 1.0
+    assert share("fp32", world=2) == pytest.approx(1.0)
+    assert rank_share(cal, "fp32", 1, charged, cores=None) == 1.0  # plan --simulate: a calibrated thread per rank
+    assert rank_share(cal.model_copy(update={"device": "cuda"}), "fp32", 1, charged, cores=2) == 1.0
 
 
 def test_a_step_residual_is_the_probe_steps_unprofiled_time_over_its_charge():
@@ -290,10 +292,12 @@ def test_the_step_model_multiplies_a_cases_operators_by_its_dtypes_residual_at_i
     ops = {"backward": [add]}
     case = make_case("small", "ddp", 0, "none", gpus=1, precision="fp32", micro_batch=2, seq_len=64, device="cpu",
                      checkpointing=False)  # fmt: skip
-    for share in (1.0, 2.0):
+    one_thread = phase_seconds(ops, with_host, traced_world=1, world=1, sharded_step=False)["backward"]
+    expected = step_residual(cal, "fp32", one_thread)
+    assert 1.1 < expected < 1.2
+    for cores in (None, 2):  # one thread, or two threads with no speed-up measured: twice the work's speed
+        share = 1.0 if cores is None else 2.0
         bare = phase_seconds(ops, with_host, traced_world=1, world=1, sharded_step=False, share=share)["backward"]
-        expected = step_residual(cal, "fp32", bare * share)
-        assert 1.1 < expected < 1.2
-        phases = case_phase_seconds(ops, with_host, case, world=1, share=share)
+        phases = case_phase_seconds(ops, with_host, case, world=1, cores=cores)
         assert phases["backward"] == pytest.approx(bare * expected)
         assert phases["after_backward"] == pytest.approx(1e-3)  # measured host work: as measured

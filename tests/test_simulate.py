@@ -210,6 +210,38 @@ def test_the_measured_ratios_two_readings_are_set_against_each_other_and_the_pre
     assert ratio_agreement([ddp, orphan]) == {}
 
 
+def test_the_repeats_measured_ratios_are_set_against_one_another():
+    """validate_simulator states how well its repeats agree among themselves, the floor under a prediction's tau:
+    repeats that measured the same ratios agree at tau 1; a repeat that swapped two cases' order, or read one case
+    20% high, shows in its pairs and against the others' median; DDP, a case one repeat lacks, and a lone repeat
+    are left out."""
+    from tests.benchmarks.validate_simulator import repeat_agreement
+
+    def repeat(ratios: dict[str, float]):
+        return [validated("t", impl, 0.01, 0.01, ratio, 1.0, ref="t-ddp") for impl, ratio in ratios.items()]
+
+    steady = {"ddp": 1.0, "zero1": 1.1, "zero2": 1.2, "zero3": 1.4, "fsdp": 1.8}
+    same = repeat_agreement([repeat(steady)] * 3)
+    assert same["cases"] == 4
+    agreements = [*same["pairs"].values(), *same["leave_one_out"].values()]
+    assert all(v["kendall_tau"] == pytest.approx(1.0) for v in agreements)
+    assert same["pairs"]["0 vs 1"]["ratio_difference"]["worst_abs"] == pytest.approx(0.0)
+
+    swapped = repeat({**steady, "zero1": 1.2, "zero2": 1.1, "fsdp": 2.16})  # two cases swapped, fsdp 20% high
+    partial = repeat({"zero1": 1.1, "zero2": 1.2, "zero3": 1.4, "fsdp": 1.8})  # no fsdp1, which the others have
+    out = repeat_agreement([repeat({**steady, "fsdp1": 1.3}), swapped, repeat({**steady, "fsdp1": 1.3}), partial])
+    assert out["cases"] == 4  # fsdp1 is not in every repeat; ddp is never a case
+    assert out["pairs"]["0 vs 2"]["kendall_tau"] == pytest.approx(1.0)
+    assert out["pairs"]["0 vs 1"]["kendall_tau"] == pytest.approx(2 / 3)  # one discordant pair of six
+    assert out["pairs"]["0 vs 1"]["ratio_difference"]["worst_abs"] == pytest.approx(1 / 6)
+    assert out["leave_one_out"]["1"]["ratio_difference"]["worst_abs"] == pytest.approx(0.2)
+    assert out["leave_one_out"]["0"]["kendall_tau"] == pytest.approx(1.0)
+    assert repeat_agreement([repeat(steady)]) == {}
+    # against the others' median, never one that counts the repeat itself: 2.16 over median(1.8, 1.98) = 1.89
+    three = repeat_agreement([repeat(steady), repeat({**steady, "fsdp": 2.16}), repeat({**steady, "fsdp": 1.98})])
+    assert three["leave_one_out"]["1"]["ratio_difference"]["worst_abs"] == pytest.approx(2.16 / 1.89 - 1)
+
+
 def test_validation_errors_are_summarised_over_all_cases_and_per_model():
     from tests.benchmarks.validate_simulator import summarise
 

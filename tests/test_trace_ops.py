@@ -170,7 +170,7 @@ def test_simulate_with_a_calibrated_profile_charges_operators(cli, tmp_path, tra
 
 
 def test_a_cpu_ranks_share_of_the_cores_against_one_calibrated_thread():
-    from zbench.plan.simulate.calibrated import cpu_share
+    from zbench.plan.simulate.compute import cpu_share
 
     assert cpu_share(1, 2, 1) == 2  # one rank runs both cores' threads
     assert cpu_share(2, 2, 1) == 1
@@ -290,10 +290,10 @@ def test_a_rank_with_more_threads_does_its_operators_work_faster_not_their_dispa
     case = make_case("small", "ddp", 0, "none", gpus=1, precision="fp32", micro_batch=2, seq_len=64, device="cpu",
                      checkpointing=False)  # fmt: skip
     ops = {"after_backward": [add]}
-    assert case_phase_seconds(ops, cal, case, world=1, share=2)["after_backward"] == pytest.approx(
+    assert case_phase_seconds(ops, cal, case, world=1, cores=2)["after_backward"] == pytest.approx(
         5 * (3e6 / 10e9 / 2 + 2e-6) + 1e-3
     )
-    assert case_phase_seconds(ops, cal, case, world=1, share=0.5)["after_backward"] == pytest.approx(
+    assert case_phase_seconds(ops, cal, case, world=4, cores=2)["after_backward"] == pytest.approx(
         2 * case_phase_seconds(ops, cal, case, world=1)["after_backward"]
     )
 

@@ -9,7 +9,9 @@ step (with the repeats' spread, slowest over fastest) and of the paired ratio to
 then the summary: median and worst |error| of the step time and of
 the ratio to DDP (DDP's own ratio, 1 by definition, left out), per implementation, and Kendall's tau between
 predicted and measured ratios, and how far the measured ratio's two readings (paired rounds, step medians) lie
-apart (``ratio_agreement``). Nothing is fitted to the runs: the profiles come from microbenchmarks.
+apart (``ratio_agreement``), and how far the repeats' own measured ratios lie from one another
+(``repeat_agreement``: the tau and ratio error a prediction cannot be checked below). Nothing is fitted to the
+runs: the profiles come from microbenchmarks.
 ``--keep DIR`` keeps the suite, both profiles and every repeat's run (with the report) in that new directory, to
 re-predict them later (e.g. the same runs with other factors).
 """
@@ -17,6 +19,7 @@ re-predict them later (e.g. the same runs with other factors).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -49,6 +52,7 @@ micro_batch: 4
 seed: 0
 timeout_s: 900
 paired_rounds: 3
+paired_seconds: {paired_seconds}
 optimizer: {{name: adamw, lr: 0.001, weight_decay: 0.01}}
 """
 
@@ -135,6 +139,33 @@ def ratio_agreement(predictions: list[CalibratedPrediction]) -> dict[str, Any]:
     }
 
 
+def repeat_agreement(runs: list[list[CalibratedPrediction]]) -> dict[str, Any]:
+    """The repeats' measured paired ratios to DDP against one another, over the cases every repeat measured (DDP's
+    own left out): each pair of repeats, and each repeat against the median of the others (``leave_one_out``),
+    Kendall's tau and |ratio difference|. A prediction's tau and ratio error against the repeats' median are
+    checked no finer than this: where one repeat orders the cases at tau 0.7 against another, a perfect model's
+    tau against their median sits not far above (2-core machine, the sixteenth sitting, 2026-12-01: pairs
+    0.64-0.72, median |difference| 4.0-4.5%)."""
+    ratios = [
+        {p.case_id: p.measured_ratio for p in run if p.implementation != "ddp" and p.measured_ratio is not None}
+        for run in runs
+    ]
+    common = sorted(set.intersection(*(set(r) for r in ratios))) if ratios else []
+    if len(runs) < 2 or len(common) < 2:
+        return {}
+
+    def versus(mine: dict[str, float], other: dict[str, float]) -> dict[str, Any]:
+        tau = kendalltau([mine[c] for c in common], [other[c] for c in common]).statistic
+        return {"kendall_tau": float(tau), "ratio_difference": stats([mine[c] / other[c] - 1 for c in common])}
+
+    pairs = {f"{a} vs {b}": versus(ratios[a], ratios[b]) for a, b in itertools.combinations(range(len(runs)), 2)}
+    leave_one_out = {
+        str(i): versus(mine, {c: statistics.median(r[c] for j, r in enumerate(ratios) if j != i) for c in common})
+        for i, mine in enumerate(ratios)
+    }
+    return {"cases": len(common), "pairs": pairs, "leave_one_out": leave_one_out}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="[tiny, small]")
@@ -144,6 +175,12 @@ def main() -> None:
     parser.add_argument("--checkpointing", default="[false]", help="activation checkpointing, e.g. [false, true]")
     parser.add_argument("--offload", default="[none]", help="offload modes, e.g. [none, optimizer]")
     parser.add_argument("--repeats", type=int, default=3, help="runs of the suite; each case's median over them")
+    parser.add_argument(
+        "--paired-seconds",
+        type=float,
+        default=0.0,
+        help="each case's paired rounds go on until this many seconds have passed (at least 3 rounds)",
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep", type=Path, help="keep the runs and both profiles in this new directory")
     args = parser.parse_args()
@@ -165,9 +202,10 @@ def main() -> None:
         traced = trace_records(repeats[0], progress=lambda line: print(line, file=sys.stderr))
         cores = os.cpu_count() or 1  # as zbench.rank.worker counts them
         profiles = {name: load(str(tmp / f"{name}.yaml")) for name in ("before", "after")}
-        results, spread = {}, {}
+        results, spread, per_repeat = {}, {}, []
         for name, p in profiles.items():
-            results[name], spread = over_repeats([predict_calibrated(r, traced, p, cores=cores) for r in repeats])
+            per_repeat = [predict_calibrated(r, traced, p, cores=cores) for r in repeats]
+            results[name], spread = over_repeats(per_repeat)
         baseline = predict(repeats[0], traced)
     print("| case | measured ms (repeats' spread) | before ms | after ms | measured ratio | predicted ratio (before) |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -182,6 +220,7 @@ def main() -> None:
     document = {
         "summary": {name: summarise(preds) for name, preds in results.items()},
         "ratio_agreement": ratio_agreement(results["before"]),  # measured: either profile's; predicted: the first
+        "repeat_agreement": repeat_agreement(per_repeat),  # measured only: the same under either profile
         "repeats": args.repeats,
         "repeat_spread": {"median": statistics.median(spread.values()), "worst": max(spread.values()), "cases": spread},
         "baseline_measured_compute": stats([b.error for b in baseline if b.implementation != "ddp"]),
@@ -189,7 +228,8 @@ def main() -> None:
         "cases": {name: [p.model_dump() for p in preds] for name, preds in results.items()},
     }
     print(json.dumps({"summary": document["summary"], "baseline": document["baseline_measured_compute"],
-                      "ratio_agreement": document["ratio_agreement"]}, indent=1))  # fmt: skip
+                      "ratio_agreement": document["ratio_agreement"],
+                      "repeat_agreement": document["repeat_agreement"]}, indent=1))  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(document, indent=1) + "\n")
 

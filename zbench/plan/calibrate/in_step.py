@@ -279,7 +279,7 @@ def step_residuals(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, 
 def thread_speedups(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, list[tuple[float, float]]]:
     """``{dtype: [(charged s, speed-up), ...]}`` by increasing charge: how much faster each probe's step ran on every
     core's threads than on one (``_wall_steps``), what a CPU rank with the cores to itself gains
-    (``zbench.plan.simulate.calibrated.cpu_share``). Per dtype, as the gain is the dtype's: on the 2-core machine
+    (``zbench.plan.simulate.compute.cpu_share``). Per dtype, as the gain is the dtype's: on the 2-core machine
     (2026-12-01, two reads each) fp32 steps of ``small`` and ``medium`` ran 1.60-1.70 and 1.68-1.76 times as fast
     on two threads, bf16 steps 1.24-1.30 and 1.26-1.48, where the one figure calibrate took before (a transformer
     MLP's fp32 step) read 1.42-1.51 for both. Probes from a one-core machine or recorded before the pairs were:

@@ -10,20 +10,17 @@ measured one (the paired ratio when the run paired, the figure zbench gates on).
 
 On a CPU a rank's share of the cores differs from the calibration's one thread per rank: a world-1 case's
 rank runs ``cores`` threads, and four ranks on two cores share them. The operators' work is scaled by that share
-(``cpu_share``): by the speed-up the calibration measured on every core, else as if a rate scaled with its
+(``compute.cpu_share``): by the speed-up the calibration measured on every core, else as if a rate scaled with its
 threads; their dispatch and the implementation's host work, Python on one thread, only where a rank has less
 than a core.
 """
 
 from __future__ import annotations
 
-import os
-
 from pydantic import computed_field
 
-from zbench.plan.simulate.calibration import Calibration
 from zbench.plan.simulate.cluster import Cluster
-from zbench.plan.simulate.compute import case_phase_seconds, phase_seconds, thread_speedup
+from zbench.plan.simulate.compute import case_phase_seconds
 from zbench.plan.simulate.run_file import Prediction
 from zbench.plan.simulate.step import StepEstimate
 from zbench.plan.simulate.sweep import estimate_row
@@ -49,42 +46,14 @@ class CalibratedPrediction(Prediction):
         return (self.predicted_ratio - self.measured_ratio) / self.measured_ratio
 
 
-def cpu_share(world: int, cores: int, threads_per_rank: int, thread_speedup: float | None = None) -> float:
-    """A CPU rank's speed relative to the calibration's ``threads_per_rank``: the threads a CPU run gives each
-    rank (``zbench.rank.worker``: ``$ZBENCH_THREADS_PER_RANK``, else ``cores // world``, at least one), and
-    never more than ``cores / world`` cores each when ranks outnumber cores. More threads than calibrated gain
-    what the calibration measured (``thread_speedup`` on every core; linear between), where it measured it:
-    the 2-core machine's two threads ran an fp32 step of ``small`` 1.60-1.70 times as fast as one, a bf16 step
-    1.24-1.30 times (2026-12-01), not twice."""
-    threads = int(os.environ.get("ZBENCH_THREADS_PER_RANK", max(1, cores // world)))
-    share = min(threads, cores / world) / threads_per_rank
-    most = cores / threads_per_rank
-    if thread_speedup is None or share <= 1 or most <= 1:
-        return share
-    return 1 + (thread_speedup - 1) * (share - 1) / (most - 1)
-
-
 def predict_step(row: TracedRow, cluster: Cluster, *, cores: int) -> StepEstimate:
-    """One traced case's step time at its own world size on ``cluster`` (calibrated), its compute scaled by a CPU
-    rank's share of the cores (``cpu_share``)."""
+    """One traced case's step time at its own world size on ``cluster`` (calibrated), its compute charged at a
+    CPU rank's share of ``cores`` (``compute.case_phase_seconds``)."""
     cal = cluster.calibration
     if cal is None:
         raise ValueError(f"profile {cluster.name} is not calibrated: no operator costs to charge")
-    case, world = row.case, row.case.world_size
-    share = rank_share(row, cal, cores=cores) if cal.device == "cpu" else 1.0
-    return estimate_row(row, cluster, world, case_phase_seconds(row.trace.ops, cal, case, world=world, share=share))
-
-
-def rank_share(row: TracedRow, cal: Calibration, *, cores: int) -> float:
-    """``cpu_share`` of a traced case's rank, with the thread speed-up the calibration measured for the case's dtype
-    at its operators' charge on one thread (``compute.thread_speedup``)."""
-    case = row.case
-    charged = sum(
-        phase_seconds(row.trace.ops, cal, traced_world=case.world_size, world=case.world_size,
-                      sharded_step=case.stage >= 1, offload=case.offload).values()
-    )  # fmt: skip
-    speedup = thread_speedup(cal, case.precision, charged)
-    return cpu_share(case.world_size, cores, cal.threads_per_rank, speedup)
+    world = row.case.world_size
+    return estimate_row(row, cluster, world, case_phase_seconds(row.trace.ops, cal, row.case, world=world, cores=cores))
 
 
 def predict_calibrated(

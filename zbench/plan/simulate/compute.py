@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import statistics
 from typing import TYPE_CHECKING, Any
 
@@ -156,7 +157,7 @@ def op_seconds(
 ) -> float:
     """One traced entry (``count`` identical calls) charged as the module docstring says; ``work_scale`` scales
     the work (FLOPs or bytes) of each call, never its dispatch cost. ``share``: a CPU rank's speed against the
-    calibration's (``zbench.plan.simulate.calibrated.cpu_share``). More threads than calibrated do the work
+    calibration's (``cpu_share``). More threads than calibrated do the work
     faster but not the dispatch, which is Python and autograd on one thread; less than a core slows both."""
     work = work_seconds(entry, cal, on_gpu=on_gpu) * operator_factor(cal, entry) * work_scale / share
     call = call_seconds(cal, share)
@@ -205,7 +206,7 @@ def step_residual(cal: Rates, precision: str, charged_s: float) -> float:
     return _by_charge(cal.step_residuals, precision, charged_s) or 1.0
 
 
-def thread_speedup(cal: Rates, precision: str, charged_s: float) -> float | None:
+def thread_speedup(cal: Calibration, precision: str, charged_s: float) -> float | None:
     """How much faster a step of ``charged_s`` operator seconds (at one thread) in ``precision`` runs on every core's
     threads than on one (``Calibration.thread_speedups``), between the probes' charges; a profile from before
     schema 8 gives its one figure for every dtype; ``None`` where none was measured (a GPU)."""
@@ -232,19 +233,51 @@ def implementation_seconds(cal: Rates, implementation: str, stage: int, blocks: 
     return max(0.0, (overhead.per_step_us + overhead.per_block_us * blocks + overhead.per_element_us * elements) * 1e-6)
 
 
+def cpu_share(world: int, cores: int, threads_per_rank: int, thread_speedup: float | None = None) -> float:
+    """A CPU rank's speed relative to the calibration's ``threads_per_rank``: the threads a CPU run gives each
+    rank (``zbench.rank.worker``: ``$ZBENCH_THREADS_PER_RANK``, else ``cores // world``, at least one), and
+    never more than ``cores / world`` cores each when ranks outnumber cores. More threads than calibrated gain
+    what the calibration measured (``thread_speedup`` on every core; linear between), where it measured it:
+    the 2-core machine's two threads ran an fp32 step of ``small`` 1.60-1.70 times as fast as one, a bf16 step
+    1.24-1.30 times (2026-12-01), not twice."""
+    threads = int(os.environ.get("ZBENCH_THREADS_PER_RANK", max(1, cores // world)))
+    share = min(threads, cores / world) / threads_per_rank
+    most = cores / threads_per_rank
+    if thread_speedup is None or share <= 1 or most <= 1:
+        return share
+    return 1 + (thread_speedup - 1) * (share - 1) / (most - 1)
+
+
+def rank_share(cal: Rates, precision: str, world: int, charged_s: float, cores: int | None) -> float:
+    """``cpu_share`` of a rank of ``world`` on ``cores`` CPU cores, at the thread speed-up the calibration measured
+    for ``precision`` at the rank's operator charge on one thread (``thread_speedup``); 1 on a GPU profile, a
+    datasheet's, or where no core count is given (``plan --simulate`` charges a calibrated thread per rank)."""
+    if cores is None or not isinstance(cal, Calibration) or cal.device != "cpu":
+        return 1.0
+    return cpu_share(world, cores, cal.threads_per_rank, thread_speedup(cal, precision, charged_s))
+
+
 def case_phase_seconds(
-    ops: dict[str, list[dict[str, Any]]], cal: Rates, case: Case, *, world: int, share: float = 1.0
+    ops: dict[str, list[dict[str, Any]]], cal: Rates, case: Case, *, world: int, cores: int | None = None
 ) -> dict[str, float]:
-    """``phase_seconds`` of one traced case at ``world`` ranks, its implementation's host work included: Python
-    on one thread, which a rank's extra threads do not speed up (``share``, as ``op_seconds``). On the 2-core
-    machine's 48 runs of 2026-11-29 (docs/data/validate_simulator_1129.json), dividing it by two threads'
-    speed-up as well had put the step time's median error at 29.5% where this gives 25.7% (first profile)."""
-    out = phase_seconds(
-        ops, cal, traced_world=case.world_size, world=world, sharded_step=case.stage >= 1, offload=case.offload,
-        share=share,
-    )  # fmt: skip
-    residual = step_residual(cal, case.precision, sum(out.values()) * share)  # the charge at one thread
-    out = {phase: seconds * residual for phase, seconds in out.items()}
+    """``phase_seconds`` of one traced case at ``world`` ranks, its implementation's host work included.
+
+    The operators' charge on one thread picks both figures the calibration measured by charge: the step residual
+    and, on ``cores`` CPU cores, the thread speed-up that sets the rank's share (``rank_share``). The operators'
+    work is charged at that share; the implementation's host work, Python on one thread, only slows where a rank
+    has less than a core (``host_share``). On the 2-core machine's 48 runs of 2026-11-29
+    (docs/data/validate_simulator_1129.json), dividing the host work by two threads' speed-up as well had put the
+    step time's median error at 29.5% where this gives 25.7% (first profile)."""
+
+    def charged(share: float) -> dict[str, float]:
+        return phase_seconds(ops, cal, traced_world=case.world_size, world=world, sharded_step=case.stage >= 1,
+                             offload=case.offload, share=share)  # fmt: skip
+
+    one_thread = charged(1.0)
+    charge = sum(one_thread.values())
+    share = rank_share(cal, case.precision, world, charge, cores)
+    residual = step_residual(cal, case.precision, charge)
+    out = {phase: seconds * residual for phase, seconds in (one_thread if share == 1 else charged(share)).items()}
     info = model_info(case.model)
     out["after_backward"] = out.get("after_backward", 0.0) + implementation_seconds(
         cal, case.implementation, case.stage, len(info.block_sizes), info.parameters

@@ -70,5 +70,3 @@ class DatasheetRates:
     overheads: dict[str, ImplementationOverhead] = field(default_factory=dict)
     operator_factors: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     step_residuals: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-    thread_speedups: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-    thread_speedup: float | None = None
