@@ -293,59 +293,91 @@ def test_a_failed_rank_environment_probe_is_one_line(monkeypatch):
         kernels.rank_probes()
 
 
-def test_a_burst_of_load_during_one_pass_of_the_probes_is_outlasted(monkeypatch):
-    """Every probe runs twice, in passes of opposite order, each keeping its faster pass: a burst that slows the
-    first implementations of one pass (as one calibration read DeepSpeed 169 ms over the reference engine, where
-    runs around it read 67-87) leaves the differences between implementations as a quiet machine measures them.
-    The narrow probes likewise, each depth on its own (a burst through FSDP2's two-block probe once read 12.8 ms
-    where a quiet machine gave 8.0)."""
-    from zbench.plan.calibrate import overheads
+class _Machine:
+    """A fake clock and a machine whose speed changes with it: each call costs ``work`` seconds times the
+    slowness at that moment (``spells``: ``(from, to, factor)``), times ``burst`` for the calls numbered in
+    ``bursts``."""
 
-    quiet = {"deepspeed-s1": 0.210, "zero1-s1": 0.140, "ddp-s0": 0.150}
-    calls: list[tuple[str, int]] = []
-    first_pass: dict[str, float] = {}
-    slowed = {0, 1, 3}  # bursts: through the first two wide probes of the first pass, the first of the second
-    narrow_burst = {1, 2, 6}  # ddp's 6 blocks and deepspeed's 2 in the first narrow pass, zero1's 2 in the second
+    def __init__(self, spells=(), bursts=(), burst=5.0):
+        self.now, self.calls, self.spells, self.bursts, self.burst = 0.0, 0, spells, set(bursts), burst
 
-    def one(implementation, stage, blocks, width, heads, timer):
-        key = f"{implementation}-s{stage}"
-        calls.append((key, width))
-        if width == overheads.NARROW:
-            narrow_index = sum(1 for _, w in calls if w == overheads.NARROW) - 1
-            seconds = quiet[key] / 20 * blocks * (1.6 if narrow_index in narrow_burst else 1.0)
-            return {"key": key, "blocks": blocks, "width": width, "seconds": seconds, "ops": []}
-        index = sum(1 for _, w in calls if w != overheads.NARROW) - 1
-        seconds = quiet[key] * (1.6 if index in slowed else 1.0)
-        first_pass.setdefault(key, seconds)
-        return {"key": key, "blocks": blocks, "width": width, "seconds": seconds, "ops": []}
+    def clock(self) -> float:
+        return self.now
 
-    monkeypatch.setattr(overheads, "_one", one)
-    monkeypatch.setattr(overheads, "probed", lambda: [("ddp", 0), ("deepspeed", 1), ("zero1", 1)])
-    probes = overheads.probe()
-    wide = {p["key"]: p["seconds"] for p in probes if p["width"] != overheads.NARROW}
-    assert wide == pytest.approx(quiet)  # neither pass alone, nor the first or the last of each, reads this
-    assert wide["deepspeed-s1"] - wide["zero1-s1"] == pytest.approx(0.070)
-    assert sum(1 for _, w in calls if w != overheads.NARROW) == 2 * len(quiet)  # two passes
-    assert sum(1 for _, w in calls if w == overheads.NARROW) == 2 * 2 * len(quiet)  # two narrow depths, twice each
-    narrow = {(p["key"], p["blocks"]): p["seconds"] for p in probes if p["width"] == overheads.NARROW}
-    assert narrow == pytest.approx({(k, b): q / 20 * b for k, q in quiet.items() for b in (2, 6)})
-    assert [k for k, w in calls if w != overheads.NARROW][3:] == ["zero1-s1", "deepspeed-s1", "ddp-s0"]
-    # the first pass alone would have read the burst: DeepSpeed 196 ms over zero1 where the machine gives 70
-    assert first_pass["deepspeed-s1"] - first_pass["zero1-s1"] == pytest.approx(0.196)
+    def step(self, work: float):
+        def run():
+            slow = next((f for start, end, f in self.spells if start <= self.now < end), 1.0)
+            self.now += work * slow * (self.burst if self.calls in self.bursts else 1.0)
+            self.calls += 1
+
+        return run
+
+
+def test_paired_rounds_keep_the_ratio_through_a_slow_spell_and_a_burst():
+    """A probe's steps alternate with DDP's, round by round: a spell that slows the machine 1.8x through three of
+    the rounds slows both steps of each of them alike, and a burst through one step is one round's outlier, so the
+    probe reads the quiet machine's 130 ms beside DDP's 100. Timed as two blocks (the probe's steps, then DDP's, as
+    ``Timer.median_s`` would) the spell would read 1.8 x 130 ms."""
+    from zbench.plan.calibrate.overheads import in_reference_terms, paired_rounds
+
+    machine = _Machine(spells=[(0.0, 1.1, 1.8)], bursts=[4])
+    rounds = paired_rounds(machine.step(0.13), machine.step(0.10), 2.0, clock=machine.clock)
+    assert len(rounds) >= 5
+    assert max(mine / theirs for mine, theirs in rounds) > 4  # the burst was seen, and outvoted
+    [read] = in_reference_terms([{"key": "zero1-s1", "blocks": 2, "width": 32, "ops": [], "rounds": rounds}])
+    assert read["seconds"] == pytest.approx(0.13, rel=0.02)
+
+
+def test_paired_rounds_alternate_which_step_runs_first():
+    from zbench.plan.calibrate.overheads import paired_rounds
+
+    order: list[str] = []
+    rounds = paired_rounds(lambda: order.append("probe"), lambda: order.append("ddp"), 0.0, min_rounds=4)
+    assert len(rounds) == 4
+    assert order == ["probe", "ddp", "ddp", "probe", "probe", "ddp", "ddp", "probe"]
+
+
+def test_each_probe_is_read_beside_ddps_typical_step_at_its_shape():
+    """``in_reference_terms``: a probe whose every round ran in a slow spell (both steps 1.6x) reads what a quiet
+    machine gives, and the per-element difference ``fit`` takes between two implementations is the quiet one."""
+    from zbench.plan.calibrate.overheads import in_reference_terms
+
+    def probe(key, width, ratio, slow, rounds=5):
+        ddp = 0.120 if width == 512 else 0.004
+        return {"key": key, "blocks": 2, "width": width, "ops": [],
+                "rounds": [(ratio * ddp * slow, ddp * slow)] * rounds}  # fmt: skip
+
+    probes = [
+        probe("ddp-s0", 512, 1.0, 1.0),
+        probe("zero1-s1", 512, 1.25, 1.6),
+        probe("fsdp-s2", 512, 1.5, 1.0),
+        probe("ddp-s0", 32, 1.0, 1.0),
+        probe("zero1-s1", 32, 2.0, 1.0),
+        probe("fsdp-s2", 32, 3.0, 1.0),
+    ]
+    read = {(p["key"], p["width"]): p["seconds"] for p in in_reference_terms(probes)}
+    assert read == pytest.approx(
+        {
+            ("ddp-s0", 512): 0.120,
+            ("zero1-s1", 512): 0.150,
+            ("fsdp-s2", 512): 0.180,
+            ("ddp-s0", 32): 0.004,
+            ("zero1-s1", 32): 0.008,
+            ("fsdp-s2", 32): 0.012,
+        }
+    )
 
 
 def test_a_probes_operators_read_untimed_are_those_its_timed_run_records():
     """``probe_ops`` (what re-fitting a stored profile's probes traces) builds, warms and records a probe as the
     timed ``_one`` does, without timing it."""
-    import torch
     import torch.distributed as dist
 
     from zbench.plan.calibrate import overheads
-    from zbench.plan.calibrate.timer import Timer
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        timed = overheads._one("zero1", 1, 2, overheads.NARROW, 2, Timer(torch.device("cpu"), budget_s=0.01))
+        timed = overheads._one("zero1", 1, (2, overheads.NARROW, 2), lambda: None, 0.0)
         untimed = overheads.probe_ops("zero1", 1, 2, overheads.NARROW, 2)
     finally:
         dist.destroy_process_group()

@@ -10,15 +10,20 @@ Each implementation trains a narrow GPT (width 32, two heads, vocabulary 128, 32
 negligible) at world 1 in a rank's environment, at two depths. Its residual, the measured step less what its
 own operators are charged (the same ledger the trace keeps, at the calibration's costs), is fitted as
 ``per_step + per_block x blocks``; the simulator adds it to a traced case of the same implementation and stage.
-A third, wide probe (width 512, two blocks) is timed too, and every probe's measured step kept (each probe
-timed twice, in passes of opposite order, keeping the faster): where one implementation is estimated from
-another's trace (DeepSpeed from the reference engine's, ``zbench.tune.deepspeed_estimate``) the difference of
-their measured steps is what the estimate adds, operators and host work together, and some of it grows with the
-bytes rather than the modules (on 2 CPU cores DeepSpeed's stage-1 step was 3 ms over the reference engine's at
-width 32 and 35-115 ms at width 512, six runs, 2026-11-29, where ``small`` and ``medium`` had been predicted
-7-13% too fast). The wide probe's remainder beyond its operators and the narrow fit is mostly the operator
-model's own error at that width, common to every implementation: DDP's is taken as that error, and what each
-implementation's exceeds it by is charged per parameter element (``per_element_beyond``).
+A third, wide probe (width 512, two blocks) is timed too, and every probe's measured step kept: where one
+implementation is estimated from another's trace (DeepSpeed from the reference engine's,
+``zbench.tune.deepspeed_estimate``) the difference of their measured steps is what the estimate adds, operators and
+host work together, and some of it grows with the bytes rather than the modules (on 2 CPU cores DeepSpeed's stage-1
+step was 3 ms over the reference engine's at width 32 and 35-115 ms at width 512, six runs, 2026-11-29, where
+``small`` and ``medium`` had been predicted 7-13% too fast). The wide probe's remainder beyond its operators and
+the narrow fit is mostly the operator model's own error at that width, common to every implementation: DDP's is
+taken as that error, and what each implementation's exceeds it by is charged per parameter element
+(``per_element_beyond``). Every term is a difference between steps timed seconds apart on a machine whose speed
+drifts (on 2 CPU cores a slow spell through the ZeRO family's wide probes once read per-element terms of 4.6-7.5 ns
+where other calibrations read 0.35-1.3, 2026-12-01), so each probe's steps alternate with a DDP engine's at the
+same shape, round by round (``paired_rounds``), and the probe's step is read as the median of its rounds' ratios
+times DDP's median step over the whole calibration (``in_reference_terms``): a spell slows both steps of a round
+alike, a burst through one step is one round's outlier.
 The probe model is none of the cases a validation predicts: nothing is fitted to them. At world 1 no collective
 crosses a link, so what this measures is the host's own work; the links are the collective curves' business.
 On a GPU this is not measured (the host's work there overlaps the device's, and the probe would time the
@@ -28,8 +33,10 @@ launches instead).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
-from contextlib import contextmanager
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
@@ -39,7 +46,6 @@ import torch.distributed as dist
 from zbench.cases import registry
 from zbench.cases.models import GPT
 from zbench.implementations import BUILTIN
-from zbench.plan.calibrate.timer import Timer
 from zbench.plan.simulate.calibration import Calibration, ImplementationOverhead, overhead_key
 from zbench.plan.simulate.compute import op_seconds
 from zbench.plan.trace.ops import OpLedger
@@ -52,10 +58,11 @@ PROBES = ((2, 32, 2), (6, 32, 2), (2, 512, 8))
 NARROW = PROBES[0][1]
 #: The implementation whose wide-probe remainder is taken as the operator model's own error there (``fit``).
 DDP_KEY = overhead_key("ddp", 0)
-#: Seconds each wide probe repeats its step for, in each of its two passes (at least three steps): at 0.3 s,
-#: three steps of 120-240 ms, DeepSpeed's difference from the reference engine there read 57, 115 and 61 ms in
-#: three runs (2026-11-29).
-WIDE_BUDGET_S = 0.8
+#: Seconds each probe's paired rounds go on for (at least ``MIN_ROUNDS``), at the narrow and the wide shapes: at
+#: 0.3 s of the wide probe alone (three steps of 120-240 ms), DeepSpeed's difference from the reference engine
+#: read 57, 115 and 61 ms in three runs (2026-11-29).
+NARROW_BUDGET_S, WIDE_BUDGET_S = 0.6, 1.6
+MIN_ROUNDS = 5
 VOCAB, TOKENS, BATCH = 128, 32, 4
 
 
@@ -84,13 +91,56 @@ def _step_ops(engine: Any, batch: list) -> list[dict[str, Any]]:
         return [e for entries in ledger.take().values() for e in entries]
 
 
-def _one(implementation: str, stage: int, blocks: int, width: int, heads: int, timer: Timer) -> dict[str, Any]:
-    """Build, warm and time one probe; its measured median step and the operators of one step."""
+def _one(
+    implementation: str, stage: int, shape: tuple[int, int, int], reference: Callable[[], object], budget_s: float
+) -> dict[str, Any]:
+    """Build and warm one probe, record the operators of one step, then time its steps alternating with
+    ``reference`` (DDP's step at the same shape, ``paired_rounds``): each round's step and reference seconds."""
+    blocks, width, heads = shape
     with _probe_engine(implementation, stage, blocks, width, heads) as (engine, batch):
         ops = _step_ops(engine, batch)
-        seconds = timer.median_s(lambda: engine.step(batch))
-    return {"key": overhead_key(implementation, stage), "blocks": blocks, "width": width, "seconds": seconds,
+        rounds = paired_rounds(lambda: engine.step(batch), reference, budget_s)
+    return {"key": overhead_key(implementation, stage), "blocks": blocks, "width": width, "rounds": rounds,
             "ops": ops}  # fmt: skip
+
+
+def paired_rounds(
+    step: Callable[[], object],
+    reference: Callable[[], object],
+    budget_s: float,
+    *,
+    min_rounds: int = MIN_ROUNDS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[tuple[float, float]]:
+    """``(step seconds, reference seconds)`` of each round: one call of each, back to back, the order alternating
+    from round to round (whichever runs second finds the other's freed memory and warm caches); rounds until
+    ``budget_s`` has passed and at least ``min_rounds`` ran."""
+    rounds: list[tuple[float, float]] = []
+    started = clock()
+    while len(rounds) < min_rounds or clock() - started < budget_s:
+        calls = (step, reference) if len(rounds) % 2 == 0 else (reference, step)
+        seconds = []
+        for fn in calls:
+            begin = clock()
+            fn()
+            seconds.append(clock() - begin)
+        rounds.append((seconds[0], seconds[1]) if len(rounds) % 2 == 0 else (seconds[1], seconds[0]))
+    return rounds
+
+
+def in_reference_terms(probes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each probe's ``seconds``: the median of its rounds' step-over-reference ratios times the median reference
+    step at its shape over every probe's rounds, i.e. its step as it would have read beside DDP's typical step
+    this calibration (DDP's own probe, paired with a second DDP engine, reads about that step)."""
+    reference: dict[tuple[int, int], list[float]] = {}
+    for p in probes:
+        reference.setdefault((p["blocks"], p["width"]), []).extend(theirs for _, theirs in p["rounds"])
+    typical = {shape: statistics.median(times) for shape, times in reference.items()}
+    return [
+        {**p, "seconds": statistics.median(mine / theirs for mine, theirs in p["rounds"])
+                         * typical[(p["blocks"], p["width"])]}
+        for p in probes
+    ]  # fmt: skip
 
 
 def probe_ops(implementation: str, stage: int, blocks: int, width: int, heads: int) -> list[dict[str, Any]]:
@@ -127,35 +177,25 @@ def probed() -> list[tuple[str, int]]:
 
 def probe() -> list[dict[str, Any]]:
     """Every implementation at every probe shape, in a process group of one (run in a rank's environment:
-    ``rank_probes``). Every probe runs twice, in passes of opposite order, and each keeps its faster pass
-    (``faster_pass``)."""
+    ``rank_probes``), each paired round by round with a DDP engine at its shape (``paired_rounds``) and read in
+    the reference's terms (``in_reference_terms``)."""
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
     try:
-        narrow_timer, wide_timer = Timer(torch.device("cpu"), budget_s=0.3), Timer(torch.device("cpu"), WIDE_BUDGET_S)
-        each = probed()
-        *narrow_shapes, wide = PROBES
-        twice = each + each[::-1]
-        narrow = [_one(impl, stage, *shape, narrow_timer) for impl, stage in twice for shape in narrow_shapes]
-        return faster_pass(narrow) + faster_pass([_one(impl, stage, *wide, wide_timer) for impl, stage in twice])
+        with ExitStack() as stack:
+            reference = {shape: stack.enter_context(_probe_engine("ddp", 0, *shape)) for shape in PROBES}
+            probes = [
+                _one(impl, stage, shape, _stepper(*reference[shape]), WIDE_BUDGET_S if shape == PROBES[-1]
+                     else NARROW_BUDGET_S)
+                for impl, stage in probed() for shape in PROBES
+            ]  # fmt: skip
+        return in_reference_terms(probes)
     finally:
         dist.destroy_process_group()
 
 
-def faster_pass(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each probe's (implementation's, at one shape) faster of its two passes. A burst of load from other work
-    only adds time, and what matters is the difference between implementations' steps: one pass ran during a
-    burst and the other not, the faster is the one beside its peers. On 2 CPU cores one calibration read
-    DeepSpeed's stage-1 wide step 169 ms over the reference engine's where four runs around it read 67-87
-    (2026-11-29: DDP's, probed first, read 1.6 times its usual step in the same pass); two calibrations twenty
-    minutes apart read FSDP2's narrow two-block step at 12.8 and 8.0 ms where DDP's read 4.3 and 4.0 (2026-11-30),
-    and the fitted host work moved `tiny`'s predicted FSDP2 ratio to DDP by a quarter."""
-    fastest: dict[tuple[str, int, int], dict[str, Any]] = {}
-    for p in passes:
-        shape = (p["key"], p["blocks"], p["width"])
-        if shape not in fastest or p["seconds"] < fastest[shape]["seconds"]:
-            fastest[shape] = p
-    return list(fastest.values())
+def _stepper(engine: Any, batch: list) -> Callable[[], object]:
+    return lambda: engine.step(batch)
 
 
 def fit(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, ImplementationOverhead]:
