@@ -115,16 +115,16 @@ def paired_rounds(
     """``(step seconds, reference seconds)`` of each round: one call of each, back to back, the order alternating
     from round to round (whichever runs second finds the other's freed memory and warm caches); rounds until
     ``budget_s`` has passed and at least ``min_rounds`` ran."""
+    pair = (step, reference)
     rounds: list[tuple[float, float]] = []
     started = clock()
     while len(rounds) < min_rounds or clock() - started < budget_s:
-        calls = (step, reference) if len(rounds) % 2 == 0 else (reference, step)
-        seconds = []
-        for fn in calls:
+        seconds = [0.0, 0.0]
+        for i in (0, 1) if len(rounds) % 2 == 0 else (1, 0):
             begin = clock()
-            fn()
-            seconds.append(clock() - begin)
-        rounds.append((seconds[0], seconds[1]) if len(rounds) % 2 == 0 else (seconds[1], seconds[0]))
+            pair[i]()
+            seconds[i] = clock() - begin
+        rounds.append((seconds[0], seconds[1]))
     return rounds
 
 
@@ -195,6 +195,7 @@ def probe() -> list[dict[str, Any]]:
 
 
 def _stepper(engine: Any, batch: list) -> Callable[[], object]:
+    """One step of a reference engine, bound now (a lambda in ``probe``'s loop would bind its last shape's)."""
     return lambda: engine.step(batch)
 
 
