@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import pytest
 import yaml
@@ -252,6 +253,9 @@ def test_calibrate_on_one_rank_takes_the_links_from_a_base_profile(cli, tmp_path
     assert r.returncode == 0, r.stderr
     profile = json.loads(r.stdout)
     assert profile["calibration"]["collectives"] == [] and "skipped, one rank" in r.stderr
+    # the rank-environment probes' own progress, one line per probe, each with the time so far
+    assert "step operators: width 256, 256 tokens, float32 (1/2)" in r.stderr
+    assert all(f"host work beside DDP's: {overhead_key(i, s)} (" in r.stderr for i, s in probed())
     assert profile["intra_node"] == load("h100-sxm").intra_node.model_dump()
     assert profile["gpus_per_node"] == 8  # the base's node, not the one rank measured (else 8 ranks "span nodes")
     assert "base profile h100-sxm" in profile["sources"]["intra_node"]
@@ -291,6 +295,38 @@ def test_a_failed_rank_environment_probe_is_one_line(monkeypatch):
     monkeypatch.setattr(kernels.sys, "executable", "/bin/false")
     with pytest.raises(OneLineError, match="rank-environment probe"):
         kernels.rank_probes()
+
+
+def test_the_rank_environment_probes_progress_arrives_while_it_runs(monkeypatch, tmp_path):
+    """Its probes take minutes on a slow host: each progress line reaches the caller while the process still runs
+    (the stand-in below waits until the caller has seen its first line, and fails if it never does), its other
+    stderr stays out of the progress, and a result larger than a pipe's buffer still comes back whole."""
+    from zbench.plan.calibrate import kernels
+
+    seen = tmp_path / "seen"
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import json, pathlib, sys, time\n"
+        f"print({kernels.PROGRESS_MARK!r} + 'first probe', file=sys.stderr, flush=True)\n"
+        "print('a warning, not progress', file=sys.stderr, flush=True)\n"
+        f"deadline = time.time() + 30\nwhile not pathlib.Path({str(seen)!r}).exists():\n"
+        "    if time.time() > deadline: sys.exit('nobody read the first line')\n    time.sleep(0.05)\n"
+        f"print({kernels.PROGRESS_MARK!r} + 'second probe', file=sys.stderr, flush=True)\n"
+        "print(json.dumps({'overheads': ['x' * 100] * 2000}))\n"
+    )
+    interpreter = tmp_path / "python"
+    interpreter.write_text(f"#!/bin/sh\nexec {sys.executable} {child}\n")
+    interpreter.chmod(0o755)
+    monkeypatch.setattr(kernels.sys, "executable", str(interpreter))
+    lines: list[str] = []
+
+    def progress(what: str) -> None:
+        lines.append(what)
+        seen.touch()
+
+    out = kernels.rank_probes(progress=progress)
+    assert lines == ["first probe", "second probe"]
+    assert len(out["overheads"]) == 2000
 
 
 class _Machine:

@@ -67,7 +67,9 @@ MIN_WORK_S = 200e-6
 FACTOR_RANGE = (0.1, 10.0)
 
 
-def probe(quick: bool = False, threads: int = 1) -> list[dict[str, Any]]:
+def probe(
+    quick: bool = False, threads: int = 1, progress: Callable[[str], None] = lambda _: None
+) -> list[dict[str, Any]]:
     """For each probe shape in fp32, then the first under autocast to each of ``AUTOCAST_DTYPES``: one step's ledger
     (``OpLedger.take``'s entries), each ledger operator's time in the next ``PROFILED_STEPS`` identical steps,
     their median (microseconds and calls, ``measured``), and the median of ``WALL_STEPS`` more, timed whole without
@@ -75,8 +77,14 @@ def probe(quick: bool = False, threads: int = 1) -> list[dict[str, Any]]:
     ratios, where ``threads`` > 1). Runs in a rank's environment (one thread, glibc's mmap threshold pinned:
     ``zbench.plan.calibrate.kernels.rank_probes``)."""
     shapes = QUICK_PROBES if quick else PROBES
-    full = [_probe_one(width, tokens, torch.float32, threads) for width, tokens in shapes]
-    return full + [_probe_one(*shapes[0], dtype, threads) for dtype in AUTOCAST_DTYPES]
+    runs = [(width, tokens, torch.float32) for width, tokens in shapes]
+    runs += [(*shapes[0], dtype) for dtype in AUTOCAST_DTYPES]
+    out = []
+    for i, (width, tokens, dtype) in enumerate(runs, 1):
+        progress(f"step operators: width {width}, {tokens} tokens, {dtype_name(dtype)} "
+                 f"({i}/{len(runs)})")  # fmt: skip
+        out.append(_probe_one(width, tokens, dtype, threads))
+    return out
 
 
 def _probe_one(width: int, tokens: int, dtype: torch.dtype, threads: int) -> dict[str, Any]:

@@ -13,8 +13,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -122,24 +124,46 @@ def mapped_probe(nbytes: int = 4 * 2**20) -> float:
     return nbytes / max(fresh_s - reuse_s, 1e-9) / 1e9
 
 
-def rank_probes(quick: bool = False) -> dict[str, Any]:
+#: How the rank-environment probe's process marks a progress line on its stderr (everything else there is kept
+#: for the error line).
+PROGRESS_MARK = "zbench-progress: "
+
+
+def say_progress(what: str) -> None:
+    """A progress line from inside ``rank_probes``'s process, for the calibrating process to show."""
+    print(PROGRESS_MARK + what, file=sys.stderr, flush=True)
+
+
+def rank_probes(quick: bool = False, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """``mapped_probe``, operators inside a training step and their steps' speed-up over every core
     (``zbench.plan.calibrate.in_step.probe``) and the implementations' step overheads
     (``zbench.plan.calibrate.overheads.probe``) as a CPU rank of zbench runs: glibc's mmap
     threshold pinned (``zbench.measure.memory.CPU_MALLOC_ENV``, or the value the user exports, as the launcher
     keeps it). A process of its own, since the threshold is read when the process starts and pinning it here
-    would slow the caller's own allocations."""
+    would slow the caller's own allocations. Its probes take minutes on a slow host (248 s on a 2-core AMD EPYC
+    without bf16 instructions, 2026-12-02), so each one's start is passed to ``progress`` as it happens; the
+    result comes back through a file (a pipe would fill while stderr is being read)."""
     env = {**CPU_MALLOC_ENV, **os.environ}
     code = (
         "import json, torch; from zbench.plan.calibrate import in_step, kernels, overheads; "
-        "torch.set_num_threads(1); print(json.dumps({'mapped_gb_s': kernels.mapped_probe(), "
-        f"'in_step': in_step.probe(quick={quick!r}, threads=kernels.cores()), 'overheads': overheads.probe()}}))"
+        "torch.set_num_threads(1); say = kernels.say_progress; print(json.dumps({'mapped_gb_s': "
+        f"kernels.mapped_probe(), 'in_step': in_step.probe(quick={quick!r}, threads=kernels.cores(), progress=say), "
+        "'overheads': overheads.probe(progress=say)}))"
     )
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise OneLineError(f"the rank-environment probe (fresh pages, threads, host work) failed: {last}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    last_lines: deque[str] = deque(maxlen=20)
+    with tempfile.TemporaryFile("w+") as out:
+        child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=out, stderr=subprocess.PIPE, text=True)
+        assert child.stderr is not None
+        for line in child.stderr:
+            if line.startswith(PROGRESS_MARK):
+                progress(line[len(PROGRESS_MARK) :].rstrip())
+            elif line.strip():
+                last_lines.append(line.strip())
+        if child.wait() != 0:
+            last = last_lines[-1] if last_lines else "no output"
+            raise OneLineError(f"the rank-environment probe (fresh pages, threads, host work) failed: {last}")
+        out.seek(0)
+        return json.loads(out.read().strip().splitlines()[-1])
 
 
 def hook_call_us(calls: int = 2000) -> float:

@@ -72,6 +72,9 @@ def calibrate(
     def step(i: int, what: str) -> None:
         progress(f"[{i}/{steps}] {what} ({time.perf_counter() - started:.0f} s so far)")
 
+    def detail(what: str) -> None:
+        progress(f"      {what} ({time.perf_counter() - started:.0f} s so far)")
+
     step(1, f"matrix products on {machine.device.type}: {', '.join(map(kernels.dtype_name, sizes.dtypes))}")
     matmul = kernels.matmul_table(timer, sizes)
     on_cpu = machine.device.type == "cpu"
@@ -80,21 +83,17 @@ def calibrate(
     step(2, f"memory-bound operators, host <-> device copies{rank_work}")
     memory_bound = kernels.memory_bound(timer, sizes)
     copies = kernels.copies(timer, sizes, memory_bound)
-    rank = kernels.rank_probes(quick) if on_cpu else {}
+    rank = kernels.rank_probes(quick, progress=detail) if on_cpu else {}
     step(3, "per-operator cost inside a training step, module hooks, the host optimizer step")
     hook_us, op_us, adam = kernels.hook_call_us(), kernels.op_call_us(timer), kernels.host_adam_params_per_s(threads)
     curves: list = []
     issue_s = None
     if machine.ranks > 1:
         step(4, f"collectives over {machine.ranks} {machine.backend} ranks (spawning them)")
-
-        def retry(what: str) -> None:
-            progress(f"      {what} ({time.perf_counter() - started:.0f} s so far)")
-
-        curves, issue_s = collectives.measure(machine.ranks, machine.backend, quick=quick, on_retry=retry)
+        curves, issue_s = collectives.measure(machine.ranks, machine.backend, quick=quick, on_retry=detail)
         for ranks in also_ranks:
-            progress(f"      and over {ranks} ranks ({time.perf_counter() - started:.0f} s so far)")
-            curves += collectives.measure(ranks, machine.backend, quick=quick, on_retry=retry)[0]
+            detail(f"and over {ranks} ranks")
+            curves += collectives.measure(ranks, machine.backend, quick=quick, on_retry=detail)[0]
     else:
         step(4, "collectives: skipped, one rank")
     disk: DiskProbe | None = None

@@ -175,7 +175,7 @@ def probed() -> list[tuple[str, int]]:
     return out
 
 
-def probe() -> list[dict[str, Any]]:
+def probe(progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
     """Every implementation at every probe shape, in a process group of one (run in a rank's environment:
     ``rank_probes``), each paired round by round with a DDP engine at its shape (``paired_rounds``) and read in
     the reference's terms (``in_reference_terms``)."""
@@ -184,11 +184,15 @@ def probe() -> list[dict[str, Any]]:
     try:
         with ExitStack() as stack:
             reference = {shape: stack.enter_context(_probe_engine("ddp", 0, *shape)) for shape in PROBES}
-            probes = [
-                _one(impl, stage, shape, _stepper(*reference[shape]), WIDE_BUDGET_S if shape == PROBES[-1]
-                     else NARROW_BUDGET_S)
-                for impl, stage in probed() for shape in PROBES
-            ]  # fmt: skip
+            runs = probed()
+            probes = []
+            for i, (impl, stage) in enumerate(runs, 1):
+                progress(f"host work beside DDP's: {overhead_key(impl, stage)} ({i}/{len(runs)})")
+                probes += [
+                    _one(impl, stage, shape, _stepper(*reference[shape]),
+                         WIDE_BUDGET_S if shape == PROBES[-1] else NARROW_BUDGET_S)
+                    for shape in PROBES
+                ]  # fmt: skip
         return in_reference_terms(probes)
     finally:
         dist.destroy_process_group()
