@@ -27,6 +27,19 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+def cpu_runs_bf16_natively() -> bool:
+    """Whether this CPU has the instructions oneDNN's bf16 matmuls need (AVX-512 or AVX-NE-CONVERT); without them
+    torch emulates bf16, 16x slower than fp32 on a 2-core AMD EPYC with AVX2 only (2026-12-02)."""
+    import torch
+
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pytest_report_header() -> str:
+    native = cpu_runs_bf16_natively()
+    return "bf16 on this CPU: " + ("native" if native else "emulated (test_trace's real traces run in fp32)")
+
+
 def is_rank_process(pid: int) -> bool:
     """Whether ``pid`` is a live zbench rank, forked from the fork server (named ``zbench-rank``) or started as
     ``python -m zbench.worker``."""
