@@ -74,29 +74,22 @@ def sum_of_squares(grad: torch.Tensor) -> torch.Tensor:
 def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, as a tensor (no host sync inside the timed step).
 
-    Sharded gradients (FSDP2's DTensors) are reduced across the group, one scalar all-reduce.
-    The harness compares it with DDP's at every step: AdamW hides a constant gradient scale
-    from the loss and the parameters, the norm does not (docs/methods.md#equivalence).
+    Each gradient's squares are summed row by row (``sum_of_squares``), on each rank's shard where it is sharded
+    (FSDP2's DTensors), then over the mesh dimensions it is sharded on: one scalar all-reduce per such set of
+    dimensions, none for replicated gradients (DDP's, or a replicated DTensor, counted once). torch's own reduction
+    (``get_total_norm``) takes each shard's norm in one piece, whose drift with length put FSDP2's norm 9.2e-4
+    from DDP's at ``medium``, world 1 (92% of the check's bound; 2026-12-02). A gradient that is still a partial
+    sum cannot be squared shard by shard: it goes to torch's reduction. The harness compares the norm with DDP's
+    at every step: AdamW hides a constant gradient scale from the loss and the parameters, the norm does not
+    (docs/methods.md#equivalence).
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    if any(isinstance(g, DTensor) for g in grads):
-        return _dtensor_sum_of_squares(grads).sqrt().float()
-    squares = torch.stack([sum_of_squares(g.detach()).to(grads[0].device) for g in grads]).sum()
-    return squares.sqrt().float()
-
-
-def _dtensor_sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The squares of sharded gradients summed row by row on each rank's shard (``sum_of_squares``), then over the
-    mesh dimensions each is sharded on (one scalar all-reduce per such set of dimensions); a replicated one counted
-    once. torch's own reduction (``get_total_norm``) takes each shard's norm in one piece, whose drift with length
-    put FSDP2's norm 9.2e-4 from DDP's at ``medium``, world 1 (92% of the check's bound; 2026-12-02). A gradient
-    that is still a partial sum cannot be squared shard by shard: it goes to torch's reduction."""
     if any(p.is_partial() for g in grads if isinstance(g, DTensor) for p in g.placements):
         norm = torch.nn.utils.get_total_norm(grads, foreach=False)
         full = getattr(norm, "full_tensor", None)
-        return (full() if callable(full) else norm).double() ** 2
+        return (full() if callable(full) else norm).float()
     by_sharded_dims: dict[tuple[int, ...], list[torch.Tensor]] = {}
     mesh = None
     for g in grads:
@@ -113,7 +106,7 @@ def _dtensor_sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
             dist.all_reduce(squares, group=mesh.get_group(dim))
         total = squares if total is None else total + squares.to(total.device)
     assert total is not None
-    return total
+    return total.sqrt().float()
 
 
 def full_parameters_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -286,14 +286,20 @@ def test_compare_lists_every_figure_of_either_profile_with_its_ratio():
     assert len(rows) == 9 and all(d.ratio is not None for d in rows.values())  # no tables: the scalars only
 
 
-def test_a_failed_rank_environment_probe_is_one_line(monkeypatch):
+def test_a_failed_rank_environment_probe_is_one_line(monkeypatch, tmp_path):
     """The fresh-page and thread probes run in a process of their own; if it fails, calibrate says so in one
-    line (exit 1 from the CLI), not with a traceback."""
+    line (exit 1 from the CLI), not with a traceback: the child's last words on stderr, the cause."""
     from zbench.errors import OneLineError
     from zbench.plan.calibrate import kernels
 
-    monkeypatch.setattr(kernels.sys, "executable", "/bin/false")
-    with pytest.raises(OneLineError, match="rank-environment probe"):
+    dying = tmp_path / "dying-python"
+    dying.write_text("#!/bin/sh\necho 'Traceback (most recent call last):' >&2\necho 'MemoryError: 12 GB' >&2\nexit 1")
+    dying.chmod(0o755)
+    monkeypatch.setattr(kernels.sys, "executable", str(dying))
+    with pytest.raises(OneLineError, match=r"rank-environment probe .* failed: MemoryError: 12 GB$"):
+        kernels.rank_probes()
+    monkeypatch.setattr(kernels.sys, "executable", "/bin/false")  # silent: says so
+    with pytest.raises(OneLineError, match=r"failed: no output$"):
         kernels.rank_probes()
 
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -150,7 +149,7 @@ def rank_probes(quick: bool = False, progress: Callable[[str], None] = lambda _:
         f"kernels.mapped_probe(), 'in_step': in_step.probe(quick={quick!r}, threads=kernels.cores(), progress=say), "
         "'overheads': overheads.probe(progress=say)}))"
     )
-    last_lines: deque[str] = deque(maxlen=20)
+    last_line = "no output"  # the child's last words, for the error line
     with tempfile.TemporaryFile("w+") as out:
         child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=out, stderr=subprocess.PIPE, text=True)
         assert child.stderr is not None
@@ -158,10 +157,9 @@ def rank_probes(quick: bool = False, progress: Callable[[str], None] = lambda _:
             if line.startswith(PROGRESS_MARK):
                 progress(line[len(PROGRESS_MARK) :].rstrip())
             elif line.strip():
-                last_lines.append(line.strip())
+                last_line = line.strip()
         if child.wait() != 0:
-            last = last_lines[-1] if last_lines else "no output"
-            raise OneLineError(f"the rank-environment probe (fresh pages, threads, host work) failed: {last}")
+            raise OneLineError(f"the rank-environment probe (fresh pages, threads, host work) failed: {last_line}")
         out.seek(0)
         return json.loads(out.read().strip().splitlines()[-1])
 
