@@ -380,6 +380,27 @@ def test_only_the_pairs_the_measurement_tells_apart_judge_the_predicted_order():
     assert not any("speed changed" in n for n in _notes(steady, steady, 1.0, 2, 2))  # usual disagreement: quiet
 
 
+def test_predictions_closer_than_the_models_ratio_error_are_called_a_guess():
+    """Verified setups whose predictions lie within the step model's measured median error on a ratio to DDP
+    (``CALIBRATED_RATIO_ERROR``) of each other get a note that their order is a guess; a spread wider than that
+    error gets none."""
+    from zbench.plan.simulate.sweep import CALIBRATED_RATIO_ERROR
+    from zbench.tune.verify import Verified, _notes
+
+    def rows(predicted: list[float]) -> list[Verified]:
+        return [Verified(rank=i + 1, name=str(i), case_id=str(i), predicted_tokens_per_s_per_gpu=p,
+                         predicted_gpu_bytes=1.0, measured_tokens_per_s_per_gpu=100.0 - i,
+                         steady_tokens_per_s_per_gpu=100.0 - i)
+                for i, p in enumerate(predicted)]  # fmt: skip
+
+    inside = 100 * (1 + CALIBRATED_RATIO_ERROR * 0.9)
+    close = rows([inside, 100.0, 100.0])
+    (guess,) = [n for n in _notes(close, close, 1.0, 0, 0) if "is a guess" in n]
+    assert f"within {CALIBRATED_RATIO_ERROR * 0.9:.1%}" in guess and f"({CALIBRATED_RATIO_ERROR:.1%} on" in guess
+    apart = rows([100 * (1 + CALIBRATED_RATIO_ERROR * 1.1), 100.0, 100.0])
+    assert not any("is a guess" in n for n in _notes(apart, apart, 1.0, 0, 0))
+
+
 # --- FSDP1's backward prefetch: a real option of the real code, serializing backward alone ------------------------
 
 
