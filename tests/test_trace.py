@@ -23,7 +23,6 @@ And the CLI end to end: every built-in traces at 8 ranks, traced states next to 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,10 +35,10 @@ if str(ROOT) not in sys.path:
 
 from tests.conftest import (  # noqa: E402
     child_env,
-    cpu_runs_bf16_natively,
     hand_back_and_exit,
     launch_rank_scripts,
     make_case,
+    trace_test_precision,
 )
 
 ALL = [
@@ -53,11 +52,9 @@ SMALL = [
     ("fsdp1", 2, "none"),
 ]  # fmt: skip
 CASES = [("tiny", *c) for c in ALL] + [("small", *c) for c in SMALL]
-PRECISION = os.environ.get("ZBENCH_TRACE_TEST_PRECISION") or ("bf16" if cpu_runs_bf16_natively() else "fp32")
-"""Mixed precision where the CPU runs bf16 natively. Where it emulates bf16 the real traces took past the
-group's 600 s limit (CI on a 2-core AMD EPYC with AVX2 only, 2026-12-02; 265 s in all on a native host), so
-they run in fp32 there, which checks the same accounting without the bf16 copies (the report header says
-which). ``ZBENCH_TRACE_TEST_PRECISION`` picks one."""
+PRECISION = trace_test_precision()
+"""Mixed precision where the CPU runs bf16 natively, else fp32, which checks the same accounting without the
+bf16 copies (``trace_test_precision``; the report header says which)."""
 TIMING_FREE = {"ddp", "torch_zero", "zero1"}
 WORLDS = (2, 4)
 REPEATS = {c: 4 for c in CASES if c[1] not in TIMING_FREE} | {("small", "fsdp", 3, "none"): 8}

@@ -337,6 +337,15 @@ def test_setups_the_paired_rounds_cannot_tell_apart_are_level_and_a_clear_gap_is
     )
 
 
+def verified_rows(predicted: list[float], measured: list[float]) -> list:
+    """Verified setups ranked 1, 2, ... in the order given, each measured at one rate (paired and own steps alike)."""
+    from zbench.tune.verify import Verified
+
+    return [Verified(rank=rank, name=str(rank), case_id=str(rank), predicted_tokens_per_s_per_gpu=p,
+                     predicted_gpu_bytes=1.0, measured_tokens_per_s_per_gpu=m, steady_tokens_per_s_per_gpu=m)
+            for rank, (p, m) in enumerate(zip(predicted, measured, strict=True), start=1)]  # fmt: skip
+
+
 def test_only_the_pairs_the_measurement_tells_apart_judge_the_predicted_order():
     """Planted rounds for four setups: #1 and #2 differ by 1% (inside the rounds' 4% noise: unresolved), #3 is 30%
     slower than both in every round, #4 has one round (not compared). Predicted in the measured order, gamma is 1
@@ -345,7 +354,7 @@ def test_only_the_pairs_the_measurement_tells_apart_judge_the_predicted_order():
     import random
     import statistics
 
-    from zbench.tune.verify import DISAGREEMENT, Verification, Verified, _notes, resolved_order
+    from zbench.tune.verify import DISAGREEMENT, Verification, _notes, resolved_order
 
     rng = random.Random(1)
     samples = {
@@ -356,10 +365,7 @@ def test_only_the_pairs_the_measurement_tells_apart_judge_the_predicted_order():
     }
 
     def rows(predicted):
-        return [Verified(rank=rank, name=str(rank), case_id=str(rank), predicted_tokens_per_s_per_gpu=p,
-                         predicted_gpu_bytes=1.0, measured_tokens_per_s_per_gpu=statistics.median(samples[rank]),
-                         steady_tokens_per_s_per_gpu=statistics.median(samples[rank]))
-                for rank, p in zip(samples, predicted)]  # fmt: skip
+        return verified_rows(predicted, [statistics.median(samples[rank]) for rank in samples])
 
     assert resolved_order(rows([100, 99, 70, 50]), samples) == (2, 2)
     assert resolved_order(rows([100, 101, 70, 50]), samples) == (2, 2)  # the unresolved pair swapped: no matter
@@ -385,19 +391,13 @@ def test_predictions_closer_than_the_models_ratio_error_are_called_a_guess():
     (``CALIBRATED_RATIO_ERROR``) of each other get a note that their order is a guess; a spread wider than that
     error gets none."""
     from zbench.plan.simulate.sweep import CALIBRATED_RATIO_ERROR
-    from zbench.tune.verify import Verified, _notes
+    from zbench.tune.verify import _notes
 
-    def rows(predicted: list[float]) -> list[Verified]:
-        return [Verified(rank=i + 1, name=str(i), case_id=str(i), predicted_tokens_per_s_per_gpu=p,
-                         predicted_gpu_bytes=1.0, measured_tokens_per_s_per_gpu=100.0 - i,
-                         steady_tokens_per_s_per_gpu=100.0 - i)
-                for i, p in enumerate(predicted)]  # fmt: skip
-
-    inside = 100 * (1 + CALIBRATED_RATIO_ERROR * 0.9)
-    close = rows([inside, 100.0, 100.0])
+    measured = [100.0, 99.0, 98.0]
+    close = verified_rows([100 * (1 + CALIBRATED_RATIO_ERROR * 0.9), 100.0, 100.0], measured)
     (guess,) = [n for n in _notes(close, close, 1.0, 0, 0) if "is a guess" in n]
     assert f"within {CALIBRATED_RATIO_ERROR * 0.9:.1%}" in guess and f"({CALIBRATED_RATIO_ERROR:.1%} on" in guess
-    apart = rows([100 * (1 + CALIBRATED_RATIO_ERROR * 1.1), 100.0, 100.0])
+    apart = verified_rows([100 * (1 + CALIBRATED_RATIO_ERROR * 1.1), 100.0, 100.0], measured)
     assert not any("is a guess" in n for n in _notes(apart, apart, 1.0, 0, 0))
 
 
