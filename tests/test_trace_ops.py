@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import ROOT, child_env
 from zbench.plan.simulate.calibration import BandwidthPoint, Calibration, MatmulPoint
-from zbench.plan.simulate.compute import flop_rate, op_seconds, phase_seconds, product_shape, shape_rate, work_seconds
+from zbench.plan.simulate.compute import flop_rate, op_seconds, phase_seconds
 
 TRACE = """
 import json, sys, torch
@@ -91,54 +91,6 @@ def test_flop_rate_interpolates_in_log_flops_and_holds_beyond_the_table():
     assert flop_rate(cal, "float32", 2e6 * 10**1.5) == pytest.approx(2e12)  # halfway in log
     assert flop_rate(cal, "float32", 1.0) == pytest.approx(1e12) and flop_rate(cal, "float32", 1e15) == 3e12
     assert flop_rate(cal, "bfloat16", 2e9) == pytest.approx(3e12)  # not measured: the first dtype's table
-
-
-def _shaped_calibration() -> Calibration:
-    """Planted after the 2-core AMD host of 2026-12-02: two products of the same FLOPs at rates 2x apart (its
-    512x256x1024 ran at 77 GFLOP/s, its 2048x256x256 at 42), and one far from both."""
-    return _calibration().model_copy(update={"matmul": [
-        MatmulPoint(m=512, k=256, n=1024, dtype="float32", tflops=2.0),
-        MatmulPoint(m=2048, k=256, n=256, dtype="float32", tflops=1.0),
-        MatmulPoint(m=4096, k=4096, n=4096, dtype="float32", tflops=8.0),
-    ]})  # fmt: skip
-
-
-def test_a_traced_product_is_charged_its_own_shapes_rate_not_its_sizes():
-    """The bug this guards: keyed by FLOPs alone, the two planted shapes collide, and the step model charged
-    a 512-token MLP product the rate of a 2048-token attention one (half its own), so a batch split into smaller
-    micro-batches was predicted 20% faster than whole where it ran 9-12% slower."""
-    cal = _shaped_calibration()
-    mlp = {"op": "addmm", "dtype": "float32", "flops": 2 * 512 * 256 * 1024, "bytes": 1, "count": 1,
-           "shapes": [[1024], [512, 256], [256, 1024]]}  # fmt: skip
-    square = {"op": "mm", "dtype": "float32", "flops": 2 * 2048 * 256 * 256, "bytes": 1, "count": 1,
-              "shapes": [[2048, 256], [256, 256]]}  # fmt: skip
-    assert product_shape(mlp) == (512, 256, 1024) and product_shape(square) == (2048, 256, 256)
-    assert work_seconds(mlp, cal, on_gpu=False) == pytest.approx(mlp["flops"] / 2e12)
-    assert work_seconds(square, cal, on_gpu=False) == pytest.approx(square["flops"] / 1e12)
-
-
-def test_an_unmeasured_shape_takes_its_nearest_measured_shapes_rates_closest_weighing_most():
-    cal = _shaped_calibration()
-    assert shape_rate(cal, "float32", (1024, 256, 512)) == pytest.approx(1.5e12)  # midway between the two
-    nearer = shape_rate(cal, "float32", (1024, 256, 724))  # nearer 512x256x1024
-    assert 1.5e12 < nearer < 2e12
-    # one halving from 2 TFLOP/s, the rest two doublings or more farther: the far shapes do not count
-    assert shape_rate(cal, "float32", (256, 256, 1024)) == pytest.approx(2e12)
-    assert shape_rate(cal, "float32", (4096, 4096, 2048)) == pytest.approx(8e12)
-    assert shape_rate(cal, "bfloat16", (512, 256, 1024)) == pytest.approx(2e12)  # not measured: the first dtype's
-    one = _calibration().model_copy(update={"matmul": [MatmulPoint(m=8, k=8, n=8, dtype="float32", tflops=5.0)]})
-    assert shape_rate(one, "float32", (512, 256, 1024)) == pytest.approx(5e12)  # a datasheet's one shape: everywhere
-
-
-def test_products_without_shapes_and_other_operators_keep_the_size_table():
-    cal = _calibration()
-    for entry in (
-        {"op": "mm", "dtype": "float32", "flops": 2e9, "bytes": 1, "count": 1},  # a trace from before shapes
-        {"op": "bmm", "dtype": "float32", "flops": 2e9, "bytes": 1, "count": 1, "shapes": [[4, 10, 10], [4, 10, 10]]},
-        {"op": "mm", "dtype": "float32", "flops": 2e9, "bytes": 1, "count": 1, "shapes": [[10, 10]]},
-    ):
-        assert product_shape(entry) is None
-        assert work_seconds(entry, cal, on_gpu=False) == pytest.approx(2e9 / flop_rate(cal, "float32", 2e9))
 
 
 def test_each_operator_is_charged_by_hand():

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -61,33 +61,19 @@ class Sizes:
 
 
 def layer_shapes(sizes: Sizes) -> Iterator[tuple[int, int, int]]:
-    """``(m, k, n)`` of a transformer layer's products at every size, forward and backward, and the square one.
-
-    A linear layer of ``i`` inputs and ``o`` outputs over ``t`` tokens runs ``t x i x o`` forward, ``t x o x i``
-    for its input's gradient and ``o x t x i`` for its weight's, whose inner dimension is the tokens; the layer's
-    are the fused query-key-value projection (``h -> 3h``), the attention output (``h -> h``) and the MLP
-    (``h -> 4h -> h``). The simulator charges a traced product the rate of the measured shapes nearest its own
-    (``zbench.plan.simulate.compute.shape_rate``); the operands are contiguous, the transposed views a step
-    multiplies are not told apart."""
+    """``(m, k, n)`` of a transformer layer's products at every size, and the square one."""
     yield sizes.square, sizes.square, sizes.square
     for tokens in sizes.tokens:
         for h in sizes.hidden:
-            linears = ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h))
-            shapes = {(tokens, i, o) for i, o in linears}
-            shapes |= {(tokens, o, i) for i, o in linears} | {(o, tokens, i) for i, o in linears}
-            yield from sorted(shapes)
+            yield from ((tokens, h, h), (tokens, h, 4 * h), (tokens, 4 * h, h))
 
 
 def matmul_table(timer: Timer, sizes: Sizes) -> list[MatmulPoint]:
-    """Each product of ``layer_shapes`` in each dtype, timed. A CPU's reduced-precision products run 10x slower
-    (16x where the CPU lacks bf16 instructions and oneDNN emulates them): those are timed at the smallest token
-    count and up to 2^31 multiply-adds only, lest they take minutes."""
     points = []
     for dtype in sizes.dtypes:
-        reduced_on_cpu = dtype != sizes.dtypes[0] and timer.device.type == "cpu"
-        for m, k, n in layer_shapes(replace(sizes, tokens=sizes.tokens[:1]) if reduced_on_cpu else sizes):
-            if reduced_on_cpu and m * k * n > 2**31:
-                continue
+        for m, k, n in layer_shapes(sizes):
+            if dtype != sizes.dtypes[0] and timer.device.type == "cpu" and m * k * n > 2**31:
+                continue  # a CPU's reduced-precision products can be 10x slower: only the smaller shapes
             a = torch.randn(m, k, device=timer.device, dtype=dtype)
             b = torch.randn(k, n, device=timer.device, dtype=dtype)
             seconds = timer.median_s(partial(torch.matmul, a, b))

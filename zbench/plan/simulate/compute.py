@@ -4,12 +4,9 @@ datasheet profile's published operator rates (``zbench.plan.simulate.datasheet``
 Each operator the trace recorded (``zbench.plan.trace.ops``) is charged:
 
 - if it has FLOPs (matrix products, attention): its FLOPs at the rate the calibration measured for matrix
-  products of that dtype (the training dtype's table where its own was not measured): a product whose
-  ``(m, k, n)`` the trace recorded (``mm``, ``addmm``) at the rate of the measured shapes nearest it
-  (``shape_rate``), since a CPU's rate turns on the shape, not the size (the 2-core AMD host, 2026-12-02:
-  512x256x1024 ran at 77 GFLOP/s, 2048x256x256, the same FLOPs, at 42); any other at the rate of products of
-  about its size (linear in log FLOPs between the measured points, the nearest point's rate beyond them);
-  fused attention at its kernel's own rate where a datasheet profile quotes one;
+  products of that dtype and of about that size (linear in log FLOPs between the measured points, the
+  nearest point's rate beyond them; the training dtype's table where its own was not measured); fused attention
+  at its kernel's own rate where a datasheet profile quotes one;
 - otherwise: the bytes it reads and writes at the measured memory bandwidth (the median of ``copy`` and
   ``add``);
 - on a CPU, the bytes of the large tensors it creates at the rate a rank maps fresh pages (``mapped_gb_s``:
@@ -60,52 +57,17 @@ if TYPE_CHECKING:
 Rates = Calibration | DatasheetRates
 
 
-def _products(cal: Rates, dtype: str) -> list[MatmulPoint]:
-    """The measured products in ``dtype``, else in the first dtype measured."""
-    return [p for p in cal.matmul if p.dtype == dtype] or [p for p in cal.matmul if p.dtype == cal.matmul[0].dtype]
+def _rate_table(cal: Rates, dtype: str) -> list[tuple[float, float]]:
+    """``(log FLOPs, FLOP/s)`` of the measured products in ``dtype`` (else the first dtype measured), sorted."""
+    points: list[MatmulPoint] = [p for p in cal.matmul if p.dtype == dtype] or [
+        p for p in cal.matmul if p.dtype == cal.matmul[0].dtype
+    ]
+    return sorted((math.log(2 * p.m * p.k * p.n), p.tflops * 1e12) for p in points)
 
 
 def flop_rate(cal: Rates, dtype: str, flops: float) -> float:
     """FLOP/s for one operator of ``flops`` in ``dtype``: interpolated between measured products of nearby size."""
-    table = sorted((math.log(2 * p.m * p.k * p.n), p.tflops * 1e12) for p in _products(cal, dtype))
-    return _interpolated(table, math.log(max(flops, 1.0)))
-
-
-#: Matrix-product operators whose ``(m x k) @ (k x n)`` operands the trace's input shapes hold, and where they sit.
-_PRODUCT_OPERANDS = {"mm": 0, "addmm": 1}
-
-#: How much farther than the nearest measured shape (in doublings of m, k, n) others still count (``shape_rate``).
-NEAR_DOUBLINGS = 1.0
-
-
-def product_shape(entry: dict[str, Any]) -> tuple[int, int, int] | None:
-    """``(m, k, n)`` of a traced matrix product (``mm``; ``addmm`` after its bias), else None (another operator,
-    a batched product, a trace entry without shapes)."""
-    first = _PRODUCT_OPERANDS.get(entry["op"])
-    shapes = entry.get("shapes") or []
-    if first is None or len(shapes) < first + 2:
-        return None
-    a, b = shapes[first], shapes[first + 1]
-    if len(a) != 2 or len(b) != 2 or min(*a, *b) < 1:
-        return None
-    return a[0], a[1], b[1]
-
-
-def shape_rate(cal: Rates, dtype: str, shape: tuple[int, int, int]) -> float:
-    """FLOP/s of an ``(m, k, n)`` product in ``dtype``: a measured shape's own rate, else the mean rate of the
-    measured shapes nearest it in ``(log2 m, log2 k, log2 n)`` (those within ``NEAR_DOUBLINGS`` of the nearest),
-    each weighted by its inverse squared distance, so that a far shape's rate never reaches it (one measured
-    shape, e.g. a datasheet's: its rate for every product)."""
-    target = [math.log2(s) for s in shape]
-    scored = sorted(
-        (math.dist(target, [math.log2(p.m), math.log2(p.k), math.log2(p.n)]), p.tflops * 1e12)
-        for p in _products(cal, dtype)
-    )
-    if scored[0][0] == 0:
-        return scored[0][1]
-    nearest = [(distance, rate) for distance, rate in scored if distance <= scored[0][0] + NEAR_DOUBLINGS]
-    weights = [1 / distance**2 for distance, _ in nearest]
-    return sum(w * rate for w, (_, rate) in zip(weights, nearest, strict=True)) / sum(weights)
+    return _interpolated(_rate_table(cal, dtype), math.log(max(flops, 1.0)))
 
 
 def _interpolated(table: list[tuple[float, float]], x: float) -> float:
@@ -155,14 +117,10 @@ def host_share(share: float) -> float:
 
 
 def work_seconds(entry: dict[str, Any], cal: Rates, *, on_gpu: bool) -> float:
-    """One call's work as the tables charge it: its FLOPs at the matrix-product rate of its shape or size (or its
-    fused attention's rate), else its bytes at the bandwidth of its working set; on a CPU, its fresh pages too."""
+    """One call's work as the tables charge it: its FLOPs at the matrix-product rate of its size (or its fused
+    attention's rate), else its bytes at the bandwidth of its working set; on a CPU, its fresh pages too."""
     if entry["flops"] > 0:
-        shape = product_shape(entry)
-        rate = attention_rate(cal, entry["op"]) or (
-            shape_rate(cal, entry["dtype"], shape) if shape else flop_rate(cal, entry["dtype"], entry["flops"])
-        )
-        work = entry["flops"] / rate
+        work = entry["flops"] / (attention_rate(cal, entry["op"]) or flop_rate(cal, entry["dtype"], entry["flops"]))
     else:
         work = entry["bytes"] / memory_bandwidth(cal, entry["bytes"])
     if not on_gpu and cal.mapped_gb_s:
