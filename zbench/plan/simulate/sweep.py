@@ -23,18 +23,17 @@ CALIBRATED_RATIO_ERROR = 0.039
 #: What each compute model's predictions (``Cluster.compute_model``) measured against runs they were not fitted
 #: to, shown beside them (docs/methods.md#simulation; each figure with its date, machines and data file).
 MEASURED_ERROR = {
-    "calibrated": "measured error on a calibrated CPU profile, this model (a factor per operator call shape "
-    "inside a step, the "
-    "probe steps' residual, host work timed paired with DDP's): one run of 64 cases (small and medium, worlds 1-2, "
-    "fp32 with and without activation checkpointing; a 2-core AMD EPYC, 2026-12-02; "
+    "calibrated": "measured error on a calibrated CPU profile, this model (a factor per operator call shape inside a "
+    "step, the probe steps' residual, host work timed paired with DDP's): one run of 64 cases (small and medium, "
+    "worlds 1-2, fp32 with and without activation checkpointing; a 2-core AMD EPYC, 2026-12-02; "
     "docs/data/validate_simulator_1202.json), with the calibration before the runs / after them: step time median "
-    "8.5% / 5.8%, worst 36% / 28%; ratio to DDP median 3.4% / 3.9%, worst 15.5% / 11.8%, Kendall tau 0.73 / 0.74 (the"
-    " runs' two repeats order each other at tau 0.64); the same kind of host's 64 runs of 2026-12-07 re-predicted "
-    "with two calibrations taken after them (docs/data/validate_simulator_1207.json): step median 3.7% / 5.4%, worst "
-    "17% / 20%; ratio median 2.8% / 2.5%, worst 9.8% / 9.7%, tau 0.81 / 0.85. bf16 was not measured with it (that "
-    "host emulates bf16); the model before, with bf16 (2026-12-01, a 2-core Intel Xeon, _1201): step median 15.2% / "
-    "12.7%, worst 49% / 44%, bf16 at medium world 1 over-predicted by 17-28%; ratio median 3.8% / 3.9%, worst 14.7% /"
-    " 12.2%, tau 0.76 / 0.77",
+    "8.5% / 5.8%, worst 36% / 28%; ratio to DDP median 3.4% / 3.9%, worst 15.5% / 11.8%, Kendall tau 0.73 / 0.74 (the "
+    "runs' two repeats order each other at tau 0.64); the same kind of host's 64 runs of 2026-12-07 re-predicted with "
+    "two calibrations taken after them (docs/data/validate_simulator_1207.json): step median 3.7% / 5.4%, worst 17% / "
+    "20%; ratio median 2.8% / 2.5%, worst 9.8% / 9.7%, tau 0.81 / 0.85. bf16 was not measured with it (that host "
+    "emulates bf16); the model before, with bf16 (2026-12-01, a 2-core Intel Xeon, _1201): step median 15.2% / 12.7%, "
+    "worst 49% / 44%, bf16 at medium world 1 over-predicted by 17-28%; ratio median 3.8% / 3.9%, worst 14.7% / 12.2%, "
+    "tau 0.76 / 0.77",
     "datasheet": "measured error on datasheet operator rates: all 46 published FSDP runs (torchtitan, fms-fsdp, "
     "llm-foundry; 8-512 A100/H100) ran slower than predicted, by 7-45% (median 29%; 2026-11-27, "
     "docs/data/validate_published.json): read tokens/s as an upper bound",
