@@ -8,10 +8,12 @@ import random
 import sys
 
 import pytest
+import torch
 import yaml
 
 from zbench.plan.calibrate.collectives import OPS, ledger_bytes
 from zbench.plan.calibrate.fit import FitError, crossing_bytes, fit_alpha_beta, hops
+from zbench.plan.calibrate.kernels import REDUCED_BUDGET_S, Sizes, layer_shapes, matmul_table
 from zbench.plan.calibrate.overheads import probe_shapes, probed
 from zbench.plan.simulate.calibration import overhead_key
 from zbench.plan.simulate.cluster import SCHEMA_VERSION, ClusterError, built_in_names, load
@@ -425,3 +427,41 @@ def test_a_probes_operators_read_untimed_are_those_its_timed_run_records():
         dist.destroy_process_group()
     assert untimed == timed["ops"]
     assert any(e["op"] in ("mm", "addmm") for e in untimed)  # the probe's products, not an empty ledger
+
+
+class _RateTimer:
+    """A timer whose products run at a set rate per dtype, advancing a clock by the calls a real one makes."""
+
+    device = torch.device("cpu")
+    min_repeats = 3
+
+    def __init__(self, flop_s: dict[torch.dtype, float]) -> None:
+        self.flop_s, self.now = flop_s, 0.0
+
+    def median_s(self, fn) -> float:
+        a, b = fn.args
+        seconds = 2 * a.shape[0] * a.shape[1] * b.shape[1] / self.flop_s[a.dtype]
+        self.now += (self.min_repeats + 1) * seconds
+        return seconds
+
+
+def test_a_cpus_slow_reduced_precision_measures_its_smallest_shapes_within_the_budget():
+    """bf16 without bf16 instructions (1% of fp32's rate) takes only the small shapes that fit the budget, smallest
+    first, where fp32 keeps every shape in its order; bf16 at fp32's speed keeps every shape up to the size cap.
+    Planted bugs this catches: no budget (the slow dtype's table takes a minute), a budget over the whole table
+    (fp32's shapes cut too), or the shapes in their given order (the budget spent on the square one)."""
+    sizes = Sizes(tokens=(512, 2048), hidden=(256, 768), square=1024, dtypes=(torch.float32, torch.bfloat16),
+                  stream_bytes=2**20)  # fmt: skip
+    all_shapes = list(layer_shapes(sizes))
+    slow = _RateTimer({torch.float32: 9.4e10, torch.bfloat16: 1e9})
+    points = matmul_table(slow, sizes, clock=lambda: slow.now)
+    assert [(p.m, p.k, p.n) for p in points if p.dtype == "float32"] == all_shapes
+    bf16 = [p.m * p.k * p.n for p in points if p.dtype == "bfloat16"]
+    assert bf16 and bf16 == sorted(bf16) and len(bf16) < len(all_shapes) / 2
+    assert bf16 == sorted(m * k * n for m, k, n in all_shapes)[: len(bf16)]
+    spent = sum(4 * 2 * mkn / 1e9 for mkn in bf16)
+    assert spent <= REDUCED_BUDGET_S
+    fast = _RateTimer({torch.float32: 9.4e10, torch.bfloat16: 9.4e10})
+    points = matmul_table(fast, sizes, clock=lambda: fast.now)
+    capped = [s for s in all_shapes if s[0] * s[1] * s[2] <= 2**31]
+    assert len([p for p in points if p.dtype == "bfloat16"]) == len(capped)

@@ -202,14 +202,53 @@ def test_each_wall_step_is_paired_with_one_on_every_cores_threads_right_after_it
         return quiet[order[-1]] * next(drift)
 
     monkeypatch.setattr(in_step, "_timed", timed)
-    walls, speedups = in_step._wall_steps(lambda: None, threads=2)
+    walls, speedups = in_step._wall_steps(lambda: None, threads=2, budget_s=0.0)
     assert order == [1, 2] * in_step.WALL_STEPS
     assert statistics.median(speedups) == pytest.approx(0.100 / 0.060)
     assert walls == pytest.approx([0.100, 0.160, 0.160])
     order.clear()
     monkeypatch.setattr(in_step, "_timed", lambda step: order.append(torch.get_num_threads()) or 0.1)
-    assert in_step._wall_steps(lambda: None, threads=1) == ([0.1] * in_step.WALL_STEPS, [])  # one core: no pairs
+    walls, speedups = in_step._wall_steps(lambda: None, threads=1, budget_s=0.0)
+    assert (walls, speedups) == ([0.1] * in_step.WALL_STEPS, [])  # one core: no pairs
     assert order == [1] * in_step.WALL_STEPS
+
+
+def test_wall_steps_pair_on_until_their_budget_has_passed_and_a_slow_probe_keeps_its_minimum(monkeypatch):
+    """Pairs go on until the budget's seconds have passed (a probe step under a second gets several pairs, so that
+    one pair's burst moves the median less), but a probe whose steps take seconds stops at ``WALL_STEPS`` pairs
+    rather than a budget's worth of minutes. Planted bugs this catches: a fixed count (three pairs of the fast
+    probe), or a budget that cuts the minimum (one pair of the slow probe)."""
+    now = [0.0]
+
+    def run_with(step_s: float) -> list[float]:
+        now[0] = 0.0
+
+        def timed(step):
+            seconds = step_s / torch.get_num_threads() ** 0.5
+            now[0] += seconds
+            return seconds
+
+        monkeypatch.setattr(in_step, "_timed", timed)
+        return in_step._wall_steps(lambda: None, threads=2, budget_s=4.0, clock=lambda: now[0])[1]
+
+    fast = run_with(0.4)  # a pair takes 0.4 + 0.28 s: 4 s hold 6 pairs
+    assert len(fast) == 6 and now[0] >= 4.0
+    assert statistics.median(fast) == pytest.approx(2**0.5)
+    slow = run_with(3.0)  # a pair takes 5.1 s
+    assert len(slow) == in_step.WALL_STEPS
+
+
+def test_an_autocast_probe_trains_as_many_sequences_as_fit_its_step_cap(monkeypatch):
+    """Read off one timed single-sequence step: a dtype that runs at fp32's speed keeps every sequence, one whose
+    sequence alone takes longer than the cap (bf16 without bf16 instructions: ten times fp32's step) trains one, never
+    none. Planted bugs this catches: the cap ignored (four sequences at 1.1 s each), or rounded to zero sequences."""
+    calls = []
+    train = calls.append
+    for per_sequence, cap, expected in ((0.1, 0.9, 4), (0.3, 0.9, 3), (1.1, 0.9, 1)):
+        monkeypatch.setattr(in_step, "_timed", lambda fn, s=per_sequence: fn() or s)
+        calls.clear()
+        assert in_step.sequences_within(train, 4, cap) == expected
+        assert len(calls) == 2 and all(ids.shape == (1, in_step.SEQ + 1) for ids in calls)  # one untimed, one timed
 
 
 def test_a_cases_thread_speed_up_is_its_dtypes_at_its_operators_charge_on_one_thread():

@@ -51,13 +51,24 @@ QUICK_PROBES = ((256, 256),)
 #: took 0.7-0.9 times its charge in fp32 but 2-3.3 times it in bf16, and ``small``'s bf16 steps, charged with
 #: the fp32 factors, were predicted a median 35% short where its fp32 steps were 20% short.
 AUTOCAST_DTYPES = (torch.bfloat16,)
+#: How much slower than the fp32 probe's step at its shape an autocast probe's step may be: past it the autocast
+#: probe trains fewer sequences (at least one). Without bf16 instructions (a 2-core AMD EPYC, 2026-12-07) its bf16
+#: step at 512 tokens took 4.4 s, ten times the fp32 one, and the probe 66 s of a 278-s calibration; where the
+#: CPU has them the bf16 step is the faster and the probe keeps its tokens.
+AUTOCAST_STEP_CAP = 2.0
 BLOCKS, VOCAB, SEQ = 2, 4096, 128
 #: Identical steps profiled per probe, each operator's time their median: one step's optimizer operators read
 #: 1.4-1.8 times their charge in one calibration and 2.2-3.5 in the next (2026-11-30).
 PROFILED_STEPS = 5
 #: Unprofiled steps per probe timed whole, their median its step's wall time (``step_residuals``); each is paired
-#: with a step on every core's threads, timed right after it (``thread_speedups``).
+#: with a step on every core's threads, timed right after it (``thread_speedups``). At least ``WALL_STEPS`` pairs,
+#: more until ``WALL_BUDGET_S`` has passed: three pairs of the width-384 probe (0.7 s a pair) read its speed-up at
+#: 1.42-1.69 in five calibrations within 80 minutes on the 2-core machine (2026-12-07), which moved ``small``'s
+#: predicted world-1 step by up to 19%. There, 33 pairs in a row read 1.35-1.84, median 1.76; four pairs in a
+#: row during a 3-s spell read 1.35-1.44, and the medians of successive triples ranged 1.38-1.82. Eight seconds
+#: (about 11 pairs) outvote such a spell. A quick calibration takes the three.
 WALL_STEPS = 3
+WALL_BUDGET_S = 8.0
 #: The residuals kept are clamped to this range: a probe step timed during a burst of other work is not the model.
 RESIDUAL_RANGE = (0.8, 2.0)
 #: An operator's charged work in one probe step below which its factor is not kept: its time is mostly dispatch,
@@ -79,15 +90,21 @@ def probe(
     shapes = QUICK_PROBES if quick else PROBES
     runs = [(width, tokens, torch.float32) for width, tokens in shapes]
     runs += [(*shapes[0], dtype) for dtype in AUTOCAST_DTYPES]
-    out = []
+    out: list[dict[str, Any]] = []
     for i, (width, tokens, dtype) in enumerate(runs, 1):
         progress(f"step operators: width {width}, {tokens} tokens, {dtype_name(dtype)} "
                  f"({i}/{len(runs)})")  # fmt: skip
-        out.append(_probe_one(width, tokens, dtype, threads))
+        cap = None if dtype == torch.float32 else AUTOCAST_STEP_CAP * out[0]["wall_s"]
+        wall_budget_s = 0.0 if quick else WALL_BUDGET_S
+        out.append(_probe_one(width, tokens, dtype, threads, max_step_s=cap, wall_budget_s=wall_budget_s))
     return out
 
 
-def _probe_one(width: int, tokens: int, dtype: torch.dtype, threads: int) -> dict[str, Any]:
+def _probe_one(
+    width: int, tokens: int, dtype: torch.dtype, threads: int, *, max_step_s: float | None, wall_budget_s: float
+) -> dict[str, Any]:
+    """One probe model's step at ``tokens`` (fewer, at least one sequence, where a step would take over
+    ``max_step_s``: ``sequences_within``), its wall steps paired for ``wall_budget_s`` (``_wall_steps``)."""
     from zbench.cases.models import GPT
     from zbench.presets import GPTConfig
     from zbench.protocol import TrainSpec
@@ -95,14 +112,21 @@ def _probe_one(width: int, tokens: int, dtype: torch.dtype, threads: int) -> dic
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=BLOCKS, d_model=width, heads=max(1, width // 64), vocab=VOCAB, seq=SEQ))
     optimizer = TrainSpec(device=torch.device("cpu"), weight_decay=0.01).make_optimizer(model.parameters())
-    ids = torch.randint(0, VOCAB, (max(1, tokens // SEQ), SEQ + 1))
 
-    def step() -> None:
+    def train(ids: torch.Tensor) -> None:
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             loss = model(ids[:, :-1], ids[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    sequences = max(1, tokens // SEQ)
+    if max_step_s is not None:
+        sequences = sequences_within(train, sequences, max_step_s)
+    ids = torch.randint(0, VOCAB, (sequences, SEQ + 1))
+
+    def step() -> None:
+        train(ids)
 
     for _ in range(3):  # optimizer state, allocator caches
         step()
@@ -121,20 +145,34 @@ def _probe_one(width: int, tokens: int, dtype: torch.dtype, threads: int) -> dic
         key: (statistics.median(p[key][0] for p in profiled if key in p), calls)
         for key, (_, calls) in profiled[0].items()
     }
-    walls, speedups = _wall_steps(step, threads)
-    out = {"width": width, "tokens": tokens, "dtype": dtype_name(dtype), "entries": entries, "measured": measured,
-           "wall_s": statistics.median(walls)}  # fmt: skip
+    walls, speedups = _wall_steps(step, threads, wall_budget_s)
+    out = {"width": width, "tokens": sequences * SEQ, "dtype": dtype_name(dtype), "entries": entries,
+           "measured": measured, "wall_s": statistics.median(walls)}  # fmt: skip
     return {**out, "threads": threads, "speedup": statistics.median(speedups)} if speedups else out
 
 
-def _wall_steps(step: Callable[[], None], threads: int) -> tuple[list[float], list[float]]:
-    """``WALL_STEPS`` steps on one thread, timed whole, and where ``threads`` > 1 each one's time over that of a step
-    on ``threads`` threads timed right after it. Paired step by step, as a burst of other work or the host's drift
-    (up to 1.6 times within seconds on the 2-core machine, 2026-12-01) moves both steps of a pair alike."""
-    walls, speedups = [], []
+def sequences_within(train: Callable[[torch.Tensor], None], sequences: int, max_step_s: float) -> int:
+    """How many sequences (at most ``sequences``, at least one) a step of ``train`` runs within ``max_step_s``, read
+    off one timed step of a single sequence after an untimed one (the optimizer's state is created there)."""
+    one = torch.randint(0, VOCAB, (1, SEQ + 1))
+    train(one)
+    per_sequence = _timed(lambda: train(one))
+    return max(1, min(sequences, int(max_step_s / per_sequence)))
+
+
+def _wall_steps(
+    step: Callable[[], None], threads: int, budget_s: float, clock: Callable[[], float] = time.perf_counter
+) -> tuple[list[float], list[float]]:
+    """At least ``WALL_STEPS`` steps on one thread, more until ``budget_s`` has passed, timed whole, and where
+    ``threads`` > 1 each one's time over that of a step on ``threads`` threads timed right after it. Paired step by
+    step, as a burst of other work or the host's drift (up to 1.6 times within seconds on the 2-core machine,
+    2026-12-01) moves both steps of a pair alike."""
+    walls: list[float] = []
+    speedups: list[float] = []
     before = torch.get_num_threads()
+    started = clock()
     try:
-        for _ in range(WALL_STEPS):
+        while len(walls) < WALL_STEPS or clock() - started < budget_s:
             torch.set_num_threads(1)
             one = _timed(step)
             walls.append(one)

@@ -10,6 +10,7 @@ usually reaches the device's best rate (the profile's peak).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -68,16 +69,35 @@ def layer_shapes(sizes: Sizes) -> Iterator[tuple[int, int, int]]:
             yield from ((tokens, h, h), (tokens, h, 4 * h), (tokens, 4 * h, h))
 
 
-def matmul_table(timer: Timer, sizes: Sizes) -> list[MatmulPoint]:
+#: Seconds a CPU's reduced-precision products may take in all (``matmul_table``): without bf16 instructions they
+#: run at 1% of fp32's rate (0.8-1.3 GFLOP/s against 94 on a 2-core AMD EPYC without them, 2026-12-07, whatever
+#: the shape), and the table's eleven bf16 shapes took 54 s of a 278-s calibration.
+REDUCED_BUDGET_S = 8.0
+
+
+def matmul_table(timer: Timer, sizes: Sizes, clock: Callable[[], float] = time.perf_counter) -> list[MatmulPoint]:
+    """Each layer shape's product in each dtype. On a CPU the reduced precisions run their shapes smallest first,
+    and a shape whose calls (the warm-up and ``timer.min_repeats``, at the rate read so far) would take the dtype
+    past ``REDUCED_BUDGET_S`` is left out: the simulator charges a larger product the largest measured one's rate
+    (``zbench.plan.simulate.compute.flop_rate``). Where the dtype runs at fp32's speed every shape fits."""
     points = []
     for dtype in sizes.dtypes:
-        for m, k, n in layer_shapes(sizes):
-            if dtype != sizes.dtypes[0] and timer.device.type == "cpu" and m * k * n > 2**31:
-                continue  # a CPU's reduced-precision products can be 10x slower: only the smaller shapes
+        shapes = list(layer_shapes(sizes))
+        reduced_on_cpu = dtype != sizes.dtypes[0] and timer.device.type == "cpu"
+        if reduced_on_cpu:
+            shapes = sorted((s for s in shapes if s[0] * s[1] * s[2] <= 2**31), key=lambda s: s[0] * s[1] * s[2])
+        spent, rate = 0.0, math.inf
+        for m, k, n in shapes:
+            flops = 2 * m * k * n
+            if reduced_on_cpu and spent + (timer.min_repeats + 1) * flops / rate > REDUCED_BUDGET_S:
+                break
             a = torch.randn(m, k, device=timer.device, dtype=dtype)
             b = torch.randn(k, n, device=timer.device, dtype=dtype)
+            started = clock()
             seconds = timer.median_s(partial(torch.matmul, a, b))
-            points.append(MatmulPoint(m=m, k=k, n=n, dtype=dtype_name(dtype), tflops=2 * m * k * n / seconds / 1e12))
+            spent += clock() - started
+            rate = flops / seconds
+            points.append(MatmulPoint(m=m, k=k, n=n, dtype=dtype_name(dtype), tflops=rate / 1e12))
     return points
 
 
