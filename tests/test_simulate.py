@@ -260,3 +260,13 @@ def test_validation_errors_are_summarised_over_all_cases_and_per_model():
     assert out["per_model"]["tiny"]["ratio"]["worst_abs"] == pytest.approx(1 / 3)
     assert out["per_model"]["small"]["kendall_tau_ratio"] == pytest.approx(1.0)
     assert set(out["per_implementation"]) == {"ddp", "fsdp", "zero1"}
+
+
+def test_predicting_a_directory_without_kept_runs_says_so_in_one_line(tmp_path):
+    """``validate_simulator --predict DIR`` on a directory that holds no sitting's runs (a typo, the wrong folder)
+    stops with the directory named, not a traceback from deep in the trace."""
+    from tests.benchmarks.validate_simulator import predict_sitting
+
+    (tmp_path / "rep").mkdir()  # a report folder alone is no run
+    with pytest.raises(SystemExit, match="no kept runs"):
+        predict_sitting(tmp_path, {"before": tmp_path / "before.yaml"})

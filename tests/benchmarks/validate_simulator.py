@@ -13,7 +13,9 @@ apart (``ratio_agreement``), and how far the repeats' own measured ratios lie fr
 (``repeat_agreement``: the tau and ratio error a prediction cannot be checked below). Nothing is fitted to the
 runs: the profiles come from microbenchmarks.
 ``--keep DIR`` keeps the suite, both profiles and every repeat's run (with the report) in that new directory, to
-re-predict them later (e.g. the same runs with other factors).
+re-predict them later: ``--predict DIR`` runs nothing and predicts the kept runs with this checkout's code, against
+DIR's two profiles or those given with ``--profile`` (e.g. calibrations taken afterwards by another version of the
+model, for a like-for-like comparison on the same runs).
 """
 
 from __future__ import annotations
@@ -166,6 +168,65 @@ def repeat_agreement(runs: list[list[CalibratedPrediction]]) -> dict[str, Any]:
     return {"cases": len(common), "pairs": pairs, "leave_one_out": leave_one_out}
 
 
+def measure(args: argparse.Namespace, where: Path) -> dict[str, Path]:
+    """Calibrate, run the suite ``args.repeats`` times into ``where``, calibrate again: the two profiles."""
+    (where / "suite.yaml").write_text(SUITE.format(**vars(args)))
+    # the collectives over every world size the suite runs (four ranks on two cores wait on each other)
+    ranks = [arg for w in yaml.safe_load(args.worlds) if w > 1 for arg in ("--ranks", str(w))]
+    zbench("calibrate", *ranks, "--out", str(where / "before.yaml"))
+    for i in range(args.repeats):
+        zbench("run", str(where / "suite.yaml"), "--results", str(where / f"r{i}"), "--report", str(where / "rep"))
+    zbench("calibrate", *ranks, "--out", str(where / "after.yaml"))
+    return {"before": where / "before.yaml", "after": where / "after.yaml"}
+
+
+def predict_sitting(where: Path, profile_files: dict[str, Path]) -> dict[str, Any]:
+    """Every repeat's run kept in ``where`` (``r0``, ``r1``, ...) predicted from one trace per case and each
+    profile, against the median of the repeats: the document ``--out`` writes."""
+    repeats = []
+    for run_dir in sorted(where.glob("r[0-9]*"), key=lambda d: int(d.name[1:])):
+        run = next(run_dir.iterdir())
+        repeats.append(RunDir(run.parent, run.name).cases())
+    if not repeats:
+        raise SystemExit(f"{where}: no kept runs (r0, r1, ...) to predict")
+    traced = trace_records(repeats[0], progress=lambda line: print(line, file=sys.stderr))
+    cores = os.cpu_count() or 1  # as zbench.rank.worker counts them
+    profiles = {name: load(str(path)) for name, path in profile_files.items()}
+    results, spread, per_repeat = {}, {}, []
+    for name, p in profiles.items():
+        per_repeat = [predict_calibrated(r, traced, p, cores=cores) for r in repeats]
+        results[name], spread = over_repeats(per_repeat)
+    baseline = predict(repeats[0], traced)
+    _print_cases(results, spread)
+    first = next(iter(results.values()))  # ratio_agreement's measured side is any profile's; predicted: the first's
+    return {
+        "summary": {name: summarise(preds) for name, preds in results.items()},
+        "ratio_agreement": ratio_agreement(first),
+        "repeat_agreement": repeat_agreement(per_repeat),  # measured only: the same under every profile
+        "repeats": len(repeats),
+        "repeat_spread": {"median": statistics.median(spread.values()), "worst": max(spread.values()), "cases": spread},
+        "baseline_measured_compute": stats([b.error for b in baseline if b.implementation != "ddp"]),
+        "profiles": {name: p.model_dump(mode="json", exclude_none=True) for name, p in profiles.items()},
+        "cases": {name: [p.model_dump() for p in preds] for name, preds in results.items()},
+    }
+
+
+def _print_cases(results: dict[str, list[CalibratedPrediction]], spread: dict[str, float]) -> None:
+    """Per case: the measured step (the repeats' spread) and each profile's prediction, the measured ratio to DDP
+    and the first profile's predicted one."""
+    names = list(results)
+    print("| case | measured ms (repeats' spread) | " + " | ".join(f"{n} ms" for n in names)
+          + f" | measured ratio | predicted ratio ({names[0]}) |")  # fmt: skip
+    print("|---|---:|" + "---:|" * len(names) + "---:|---:|")
+    by_name = {n: {p.case_id: p for p in preds} for n, preds in results.items()}
+    for p in results[names[0]]:
+        cells = " | ".join(f"{by_name[n][p.case_id].predicted_s * 1e3:.1f} ({by_name[n][p.case_id].error:+.0%})"
+                           for n in names)  # fmt: skip
+        ratio = "" if p.measured_ratio is None else f"{p.measured_ratio:.2f}"
+        pred = "" if p.predicted_ratio is None else f"{p.predicted_ratio:.2f}"
+        print(f"| {p.case_id} | {p.measured_s * 1e3:.1f} ({spread[p.case_id]:.2f}x) | {cells} | {ratio} | {pred} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="[tiny, small]")
@@ -183,50 +244,29 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep", type=Path, help="keep the runs and both profiles in this new directory")
+    parser.add_argument(
+        "--predict",
+        type=Path,
+        metavar="DIR",
+        help="run nothing: predict the runs an earlier sitting kept in DIR (--keep) with this checkout's code",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        action="append",
+        help="with --predict: a profile to predict with (repeat it; default: DIR's before.yaml and after.yaml)",
+    )
     args = parser.parse_args()
-    if args.keep is not None:
-        args.keep.mkdir(parents=True)  # never into an earlier sitting's runs
-    with tempfile.TemporaryDirectory() as d:
-        tmp = args.keep or Path(d)
-        (tmp / "suite.yaml").write_text(SUITE.format(**vars(args)))
-        # the collectives over every world size the suite runs (four ranks on two cores wait on each other)
-        ranks = [arg for w in yaml.safe_load(args.worlds) if w > 1 for arg in ("--ranks", str(w))]
-        zbench("calibrate", *ranks, "--out", str(tmp / "before.yaml"))
-        for i in range(args.repeats):
-            zbench("run", str(tmp / "suite.yaml"), "--results", str(tmp / f"r{i}"), "--report", str(tmp / "rep"))
-        zbench("calibrate", *ranks, "--out", str(tmp / "after.yaml"))
-        repeats = []
-        for i in range(args.repeats):
-            run = next((tmp / f"r{i}").iterdir())
-            repeats.append(RunDir(run.parent, run.name).cases())
-        traced = trace_records(repeats[0], progress=lambda line: print(line, file=sys.stderr))
-        cores = os.cpu_count() or 1  # as zbench.rank.worker counts them
-        profiles = {name: load(str(tmp / f"{name}.yaml")) for name in ("before", "after")}
-        results, spread, per_repeat = {}, {}, []
-        for name, p in profiles.items():
-            per_repeat = [predict_calibrated(r, traced, p, cores=cores) for r in repeats]
-            results[name], spread = over_repeats(per_repeat)
-        baseline = predict(repeats[0], traced)
-    print("| case | measured ms (repeats' spread) | before ms | after ms | measured ratio | predicted ratio (before) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    after = {p.case_id: p for p in results["after"]}
-    for p in results["before"]:
-        q = after[p.case_id]
-        ratio = "" if p.measured_ratio is None else f"{p.measured_ratio:.2f}"
-        pred = "" if p.predicted_ratio is None else f"{p.predicted_ratio:.2f}"
-        print(f"| {p.case_id} | {p.measured_s * 1e3:.1f} ({spread[p.case_id]:.2f}x) | "
-              f"{p.predicted_s * 1e3:.1f} ({p.error:+.0%}) | "
-              f"{q.predicted_s * 1e3:.1f} ({q.error:+.0%}) | {ratio} | {pred} |")  # fmt: skip
-    document = {
-        "summary": {name: summarise(preds) for name, preds in results.items()},
-        "ratio_agreement": ratio_agreement(results["before"]),  # measured: either profile's; predicted: the first
-        "repeat_agreement": repeat_agreement(per_repeat),  # measured only: the same under either profile
-        "repeats": args.repeats,
-        "repeat_spread": {"median": statistics.median(spread.values()), "worst": max(spread.values()), "cases": spread},
-        "baseline_measured_compute": stats([b.error for b in baseline if b.implementation != "ddp"]),
-        "profiles": {name: p.model_dump(mode="json", exclude_none=True) for name, p in profiles.items()},
-        "cases": {name: [p.model_dump() for p in preds] for name, preds in results.items()},
-    }
+    if args.predict is not None:
+        profiles = {f.stem: f for f in args.profile} if args.profile else {
+            name: args.predict / f"{name}.yaml" for name in ("before", "after")}  # fmt: skip
+        document = predict_sitting(args.predict, profiles)
+    else:
+        if args.keep is not None:
+            args.keep.mkdir(parents=True)  # never into an earlier sitting's runs
+        with tempfile.TemporaryDirectory() as d:
+            where = args.keep or Path(d)
+            document = predict_sitting(where, measure(args, where))
     print(json.dumps({"summary": document["summary"], "baseline": document["baseline_measured_compute"],
                       "ratio_agreement": document["ratio_agreement"],
                       "repeat_agreement": document["repeat_agreement"]}, indent=1))  # fmt: skip

@@ -66,7 +66,8 @@ PROFILED_STEPS = 5
 #: 1.42-1.69 in five calibrations within 80 minutes on the 2-core machine (2026-12-07), which moved ``small``'s
 #: predicted world-1 step by up to 19%. There, 33 pairs in a row read 1.35-1.84, median 1.76; four pairs in a
 #: row during a 3-s spell read 1.35-1.44, and the medians of successive triples ranged 1.38-1.82. Eight seconds
-#: (about 11 pairs) outvote such a spell. A quick calibration takes the three.
+#: (about 11 pairs) outvote such a spell; they did not narrow the spread between calibrations (five that afternoon
+#: read 1.43-1.68: the host's second core comes and goes over minutes). A quick calibration takes the three.
 WALL_STEPS = 3
 WALL_BUDGET_S = 8.0
 #: The residuals kept are clamped to this range: a probe step timed during a burst of other work is not the model.
