@@ -269,4 +269,50 @@ def test_predicting_a_directory_without_kept_runs_says_so_in_one_line(tmp_path):
 
     (tmp_path / "rep").mkdir()  # a report folder alone is no run
     with pytest.raises(SystemExit, match="no kept runs"):
-        predict_sitting(tmp_path, {"before": tmp_path / "before.yaml"})
+        predict_sitting(tmp_path, {"before": [[tmp_path / "before.yaml"]]})
+
+
+def test_each_repeat_is_predicted_from_the_calibrations_on_either_side_of_it(tmp_path):
+    """A sitting that calibrated between its repeats predicts repeat i from calibrations i and i+1 (``bracketing``),
+    and every repeat from the first or the last alone; one kept before then, from its before and after profiles;
+    a count of calibrations that does not bracket the repeats is refused rather than paired off wrongly; profiles
+    the user names each predict every repeat. Calibration 10 sorts after 9, not after 1."""
+    from tests.benchmarks.validate_simulator import schemes_for
+
+    cals = [tmp_path / f"cal{i}.yaml" for i in range(12)]
+    for f in cals:
+        f.write_text("")
+    schemes = schemes_for(tmp_path, 11)
+    assert schemes["bracketing"][0] == cals[0:2] and schemes["bracketing"][9] == [cals[9], cals[10]]
+    assert schemes["first"] == [[cals[0]]] * 11 and schemes["last"] == [[cals[11]]] * 11
+    with pytest.raises(SystemExit, match="12 calibrations for 2 repeats"):
+        schemes_for(tmp_path, 2)
+    older = tmp_path / "older"
+    older.mkdir()
+    assert schemes_for(older, 2) == {"before": [[older / "before.yaml"]] * 2, "after": [[older / "after.yaml"]] * 2}
+    assert schemes_for(tmp_path, 2, [tmp_path / "mine.yaml"]) == {"mine": [[tmp_path / "mine.yaml"]] * 2}
+
+
+def test_predictions_from_two_calibrations_meet_at_their_geometric_mean():
+    """A repeat predicted from the calibrations before and after it takes each case's geometric mean: 0.1 s and
+    0.4 s give 0.2 s (an arithmetic mean, 0.25 s, would weigh the slower reading more; the geometric mean of the
+    rates gives the same step). A case one calibration could not predict is left out, not half-averaged."""
+    from tests.benchmarks.validate_simulator import geometric_mean
+
+    before = [validated("t", "ddp", 0.3, 0.1, 1.0, 1.0), validated("t", "zero3", 0.6, 0.2, 2.0, 1.5)]
+    after = [validated("t", "ddp", 0.3, 0.4, 1.0, 1.0)]
+    (ddp,) = geometric_mean([before, after])
+    assert ddp.predicted_s == pytest.approx(0.2) and ddp.predicted_ratio == pytest.approx(1.0)
+    assert geometric_mean([before]) == before
+
+
+def test_a_case_is_judged_by_its_median_prediction_against_its_median_measurement():
+    """Over the repeats, each case's prediction (per repeat, from that repeat's calibrations) and its measured step
+    and ratio are each the median of the repeats', never the first repeat's alone."""
+    from tests.benchmarks.validate_simulator import over_repeats
+
+    readings = [(0.5, 0.30, 1.5), (0.4, 0.10, 1.9), (0.6, 0.2, 1.7)]  # measured s, predicted s, predicted ratio
+    runs = [[validated("t", "zero3", m, p, 2.0, r)] for m, p, r in readings]
+    (case,), spread = over_repeats(runs)
+    assert (case.measured_s, case.predicted_s, case.predicted_ratio) == pytest.approx((0.5, 0.2, 1.7))
+    assert spread == {"t-zero3": pytest.approx(1.5)}

@@ -1,21 +1,25 @@
-"""The operator-level simulator against measured CPU runs (issue 30, item 3): calibrate, run, calibrate again,
-then predict every case from its trace and each calibration, next to the earlier measured-compute model.
+"""The operator-level simulator against measured CPU runs (issue 30, item 3): calibrate, and run the suite and
+calibrate again, ``--repeats`` times; then predict every case from its trace and the calibrations, next to the
+earlier measured-compute model.
 
 ``python -m tests.benchmarks.validate_simulator --out docs/data/validate_simulator.json`` runs the suite below
 (``--models``, ``--worlds``, ``--implementations``, ``--precisions``, ``--checkpointing``, ``--offload`` narrow
-or widen it) ``--repeats`` times, between two ``zbench calibrate`` runs on the same machine (its collectives
-over every world size the suite runs), and prints per case the median over the repeats of the measured median
-step (with the repeats' spread, slowest over fastest) and of the paired ratio to DDP next to each prediction,
-then the summary: median and worst |error| of the step time and of
-the ratio to DDP (DDP's own ratio, 1 by definition, left out), per implementation, and Kendall's tau between
-predicted and measured ratios, and how far the measured ratio's two readings (paired rounds, step medians) lie
-apart (``ratio_agreement``), and how far the repeats' own measured ratios lie from one another
-(``repeat_agreement``: the tau and ratio error a prediction cannot be checked below). Nothing is fitted to the
-runs: the profiles come from microbenchmarks.
-``--keep DIR`` keeps the suite, both profiles and every repeat's run (with the report) in that new directory, to
-re-predict them later: ``--predict DIR`` runs nothing and predicts the kept runs with this checkout's code, against
-DIR's two profiles or those given with ``--profile`` (e.g. calibrations taken afterwards by another version of the
-model, for a like-for-like comparison on the same runs).
+or widen it) ``--repeats`` times, each repeat between two ``zbench calibrate`` runs on the same machine (its
+collectives over every world size the suite runs). It predicts each repeat three ways: from the calibrations
+just before and after it (``bracketing``: the geometric mean of the two predictions), and every repeat from the
+first calibration or from the last (``first``, ``last``: what one calibration gives). It prints per case the
+median over the repeats of the measured median step (with the repeats' spread, slowest over fastest) and of the
+paired ratio to DDP next to each prediction (also a median over the repeats), then the summary: median and worst
+|error| of the step time and of the ratio to DDP (DDP's own ratio, 1 by definition, left out), per
+implementation, and Kendall's tau between predicted and measured ratios, and how far the measured ratio's two
+readings (paired rounds, step medians) lie apart (``ratio_agreement``), and how far the repeats' own measured
+ratios lie from one another (``repeat_agreement``: the tau and ratio error a prediction cannot be checked below).
+Nothing is fitted to the runs: the profiles come from microbenchmarks.
+``--keep DIR`` keeps the suite, the calibrations and every repeat's run (with the report) in that new directory,
+to re-predict them later: ``--predict DIR`` runs nothing and predicts the kept runs with this checkout's code,
+against DIR's calibrations (a sitting kept before 2026-12-07's evening: its ``before.yaml`` and ``after.yaml``)
+or those given with ``--profile`` (e.g. calibrations taken afterwards by another version of the model, for a
+like-for-like comparison on the same runs).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from scipy.stats import kendalltau
 from zbench.plan.simulate.calibrated import CalibratedPrediction, predict_calibrated
 from zbench.plan.simulate.cluster import load
 from zbench.plan.simulate.measured import predict, trace_records
+from zbench.results.record import CaseRecord
 from zbench.results.store import RunDir
 
 SUITE = """
@@ -69,19 +74,26 @@ def stats(values: list[float]) -> dict[str, float]:
 
 
 def over_repeats(runs: list[list[CalibratedPrediction]]) -> tuple[list[CalibratedPrediction], dict[str, float]]:
-    """Each case's prediction (the same in every repeat: one trace, one profile) against the median of its
-    repeats' measured step and paired ratio, and the repeats' spread of the step (slowest / fastest)."""
+    """Each case's median over its repeats of the prediction (one trace; per repeat, that repeat's profiles) and
+    of the measured step and paired ratio, and the repeats' spread of the measured step (slowest / fastest)."""
     by_case: dict[str, list[CalibratedPrediction]] = {}
     for run in runs:
         for p in run:
             by_case.setdefault(p.case_id, []).append(p)
+
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
     combined, spread = [], {}
     for case_id, repeats in by_case.items():
         steps = [p.measured_s for p in repeats]
-        ratios = [p.measured_ratio for p in repeats if p.measured_ratio is not None]
         combined.append(repeats[0].model_copy(update={
             "measured_s": statistics.median(steps),
-            "measured_ratio": statistics.median(ratios) if ratios else None,
+            "measured_ratio": median([p.measured_ratio for p in repeats]),
+            "predicted_s": statistics.median(p.predicted_s for p in repeats),
+            "comm_s": statistics.median(p.comm_s for p in repeats),
+            "predicted_ratio": median([p.predicted_ratio for p in repeats]),
         }))  # fmt: skip
         spread[case_id] = max(steps) / min(steps)
     return combined, spread
@@ -168,47 +180,120 @@ def repeat_agreement(runs: list[list[CalibratedPrediction]]) -> dict[str, Any]:
     return {"cases": len(common), "pairs": pairs, "leave_one_out": leave_one_out}
 
 
-def measure(args: argparse.Namespace, where: Path) -> dict[str, Path]:
-    """Calibrate, run the suite ``args.repeats`` times into ``where``, calibrate again: the two profiles."""
+def measure(args: argparse.Namespace, where: Path) -> list[Path]:
+    """Calibrate, then run the suite and calibrate again ``args.repeats`` times, into ``where``: the calibrations
+    in the order taken (``cal0.yaml`` .. ``cal<repeats>.yaml``), each repeat ``r<i>`` between ``cal<i>`` and
+    ``cal<i+1>``, so that the machine the runs met is measured on both sides of each (issue 30: the profile
+    calibrated in the same hour as the runs, interleaved with them)."""
     (where / "suite.yaml").write_text(SUITE.format(**vars(args)))
     # the collectives over every world size the suite runs (four ranks on two cores wait on each other)
     ranks = [arg for w in yaml.safe_load(args.worlds) if w > 1 for arg in ("--ranks", str(w))]
-    zbench("calibrate", *ranks, "--out", str(where / "before.yaml"))
+    zbench("calibrate", *ranks, "--out", str(where / "cal0.yaml"))
     for i in range(args.repeats):
         zbench("run", str(where / "suite.yaml"), "--results", str(where / f"r{i}"), "--report", str(where / "rep"))
-    zbench("calibrate", *ranks, "--out", str(where / "after.yaml"))
-    return {"before": where / "before.yaml", "after": where / "after.yaml"}
+        zbench("calibrate", *ranks, "--out", str(where / f"cal{i + 1}.yaml"))
+    return interleaved_calibrations(where)
 
 
-def predict_sitting(where: Path, profile_files: dict[str, Path]) -> dict[str, Any]:
+def interleaved_calibrations(where: Path) -> list[Path]:
+    """The calibrations ``measure`` took in ``where``, in order (none in a sitting kept before 2026-12-07's
+    evening, which calibrated only before and after: ``before.yaml``, ``after.yaml``)."""
+    return sorted(where.glob("cal[0-9]*.yaml"), key=lambda f: int(f.stem[3:]))
+
+
+Scheme = list[list[Path]]
+"""Per repeat, the profiles it is predicted from: with more than one, the geometric mean of their predictions."""
+
+
+def schemes_for(where: Path, repeats: int, chosen: list[Path] | None = None) -> dict[str, Scheme]:
+    """How a sitting's repeats are predicted. Interleaved calibrations: ``bracketing`` (each repeat from the
+    calibrations just before and after it), ``first`` and ``last`` (every repeat from one of them: what a user who
+    calibrates once gets). An older sitting: ``before`` and ``after``. ``chosen`` profiles: each for every repeat."""
+    if chosen:
+        return {f.stem: [[f]] * repeats for f in chosen}
+    calibrations = interleaved_calibrations(where)
+    if len(calibrations) == repeats + 1:
+        return {
+            "bracketing": [calibrations[i : i + 2] for i in range(repeats)],
+            "first": [[calibrations[0]]] * repeats,
+            "last": [[calibrations[-1]]] * repeats,
+        }
+    if calibrations:
+        raise SystemExit(f"{where}: {len(calibrations)} calibrations for {repeats} repeats (expected {repeats + 1})")
+    return {name: [[where / f"{name}.yaml"]] * repeats for name in ("before", "after")}
+
+
+def geometric_mean(predictions: list[list[CalibratedPrediction]]) -> list[CalibratedPrediction]:
+    """One repeat's cases predicted from several profiles, combined: each case's step, exposed communication and
+    ratio the geometric mean of its predictions (a rate's mean and a time's then agree), over the cases every
+    profile predicted."""
+    if len(predictions) == 1:
+        return predictions[0]
+    by_case = [{p.case_id: p for p in one} for one in predictions]
+    combined = []
+    for p in predictions[0]:
+        each = [one[p.case_id] for one in by_case if p.case_id in one]
+        if len(each) < len(by_case):
+            continue
+        ratios = [q.predicted_ratio for q in each if q.predicted_ratio is not None]
+        combined.append(p.model_copy(update={
+            "predicted_s": statistics.geometric_mean([q.predicted_s for q in each]),
+            "comm_s": statistics.geometric_mean([q.comm_s for q in each]) if all(q.comm_s > 0 for q in each) else
+            statistics.fmean([q.comm_s for q in each]),
+            "predicted_ratio": statistics.geometric_mean(ratios) if len(ratios) == len(each) else None,
+        }))  # fmt: skip
+    return combined
+
+
+def predict_sitting(where: Path, schemes: dict[str, Scheme]) -> dict[str, Any]:
     """Every repeat's run kept in ``where`` (``r0``, ``r1``, ...) predicted from one trace per case and each
-    profile, against the median of the repeats: the document ``--out`` writes."""
-    repeats = []
-    for run_dir in sorted(where.glob("r[0-9]*"), key=lambda d: int(d.name[1:])):
-        run = next(run_dir.iterdir())
-        repeats.append(RunDir(run.parent, run.name).cases())
-    if not repeats:
-        raise SystemExit(f"{where}: no kept runs (r0, r1, ...) to predict")
+    scheme's profiles, against the median of the repeats: the document ``--out`` writes."""
+    repeats = kept_repeats(where)
     traced = trace_records(repeats[0], progress=lambda line: print(line, file=sys.stderr))
     cores = os.cpu_count() or 1  # as zbench.rank.worker counts them
-    profiles = {name: load(str(path)) for name, path in profile_files.items()}
-    results, spread, per_repeat = {}, {}, []
-    for name, p in profiles.items():
-        per_repeat = [predict_calibrated(r, traced, p, cores=cores) for r in repeats]
+    profiles = {f: load(str(f)) for scheme in schemes.values() for files in scheme for f in files}
+    predicted: dict[tuple[Path, int], list[CalibratedPrediction]] = {}
+    results: dict[str, list[CalibratedPrediction]] = {}
+    spread: dict[str, float] = {}
+    per_repeat: list[list[CalibratedPrediction]] = []
+    for name, scheme in schemes.items():
+        if len(scheme) != len(repeats):
+            raise SystemExit(f"{where}: scheme {name} names profiles for {len(scheme)} of {len(repeats)} repeats")
+        per_repeat = []
+        for i, files in enumerate(scheme):
+            for f in files:
+                if (f, i) not in predicted:
+                    predicted[f, i] = predict_calibrated(repeats[i], traced, profiles[f], cores=cores)
+            per_repeat.append(geometric_mean([predicted[f, i] for f in files]))
         results[name], spread = over_repeats(per_repeat)
     baseline = predict(repeats[0], traced)
     _print_cases(results, spread)
-    first = next(iter(results.values()))  # ratio_agreement's measured side is any profile's; predicted: the first's
+    first = next(iter(results.values()))  # ratio_agreement's measured side is any scheme's; predicted: the first's
     return {
         "summary": {name: summarise(preds) for name, preds in results.items()},
         "ratio_agreement": ratio_agreement(first),
-        "repeat_agreement": repeat_agreement(per_repeat),  # measured only: the same under every profile
+        "repeat_agreement": repeat_agreement(per_repeat),  # measured only: the same under every scheme
         "repeats": len(repeats),
         "repeat_spread": {"median": statistics.median(spread.values()), "worst": max(spread.values()), "cases": spread},
         "baseline_measured_compute": stats([b.error for b in baseline if b.implementation != "ddp"]),
-        "profiles": {name: p.model_dump(mode="json", exclude_none=True) for name, p in profiles.items()},
+        "schemes": {name: [[f.stem for f in files] for files in scheme] for name, scheme in schemes.items()},
+        "profiles": {f.stem: p.model_dump(mode="json", exclude_none=True) for f, p in profiles.items()},
         "cases": {name: [p.model_dump() for p in preds] for name, preds in results.items()},
     }
+
+
+def repeat_dirs(where: Path) -> list[Path]:
+    """The results directories of the repeats kept in ``where`` (``r0``, ``r1``, ...), in order."""
+    found = sorted(where.glob("r[0-9]*"), key=lambda d: int(d.name[1:]))
+    if not found:
+        raise SystemExit(f"{where}: no kept runs (r0, r1, ...) to predict")
+    return found
+
+
+def kept_repeats(where: Path) -> list[list[CaseRecord]]:
+    """The case records of every repeat kept in ``where``, in order (each directory holds one run)."""
+    runs = [next(d.iterdir()) for d in repeat_dirs(where)]
+    return [RunDir(run.parent, run.name).cases() for run in runs]
 
 
 def _print_cases(results: dict[str, list[CalibratedPrediction]], spread: dict[str, float]) -> None:
@@ -243,7 +328,7 @@ def main() -> None:
         help="each case's paired rounds go on until this many seconds have passed (at least 3 rounds)",
     )
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--keep", type=Path, help="keep the runs and both profiles in this new directory")
+    parser.add_argument("--keep", type=Path, help="keep the runs and the calibrations in this new directory")
     parser.add_argument(
         "--predict",
         type=Path,
@@ -254,19 +339,19 @@ def main() -> None:
         "--profile",
         type=Path,
         action="append",
-        help="with --predict: a profile to predict with (repeat it; default: DIR's before.yaml and after.yaml)",
+        help="with --predict: a profile to predict with (repeat it; default: DIR's calibrations)",
     )
     args = parser.parse_args()
     if args.predict is not None:
-        profiles = {f.stem: f for f in args.profile} if args.profile else {
-            name: args.predict / f"{name}.yaml" for name in ("before", "after")}  # fmt: skip
-        document = predict_sitting(args.predict, profiles)
+        repeats = len(repeat_dirs(args.predict))
+        document = predict_sitting(args.predict, schemes_for(args.predict, repeats, args.profile))
     else:
         if args.keep is not None:
             args.keep.mkdir(parents=True)  # never into an earlier sitting's runs
         with tempfile.TemporaryDirectory() as d:
             where = args.keep or Path(d)
-            document = predict_sitting(where, measure(args, where))
+            measure(args, where)
+            document = predict_sitting(where, schemes_for(where, args.repeats))
     print(json.dumps({"summary": document["summary"], "baseline": document["baseline_measured_compute"],
                       "ratio_agreement": document["ratio_agreement"],
                       "repeat_agreement": document["repeat_agreement"]}, indent=1))  # fmt: skip
