@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +16,7 @@ from zbench.plan.simulate.compute import op_seconds
 from zbench.plan.simulate.step import collective_seconds, estimate
 
 H100 = load("h100-sxm")
+REPO = Path(__file__).resolve().parents[1]
 
 
 NVLINK_S, NET_S = H100.intra_node.latency_us * 1e-6, H100.inter_node.latency_us * 1e-6
@@ -316,3 +321,19 @@ def test_a_case_is_judged_by_its_median_prediction_against_its_median_measuremen
     (case,), spread = over_repeats(runs)
     assert (case.measured_s, case.predicted_s, case.predicted_ratio) == pytest.approx((0.5, 0.2, 1.7))
     assert spread == {"t-zero3": pytest.approx(1.5)}
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [(["--predict", "kept", "--models", "[tiny]", "--repeats", "5"], "--models, --repeats unused"),
+     (["--profile", "mine.yaml"], "give it with --predict DIR")],
+)  # fmt: skip
+def test_options_that_cannot_act_are_refused_in_one_line(tmp_path, options, named):
+    """``--predict`` re-predicts kept runs, so a suite option beside it would silently change nothing (the kept
+    suite says what ran), and ``--profile`` without ``--predict`` would be ignored by a sitting that calibrates its
+    own: each is refused with exit 2 and the options named, before anything runs."""
+    command = [sys.executable, "-m", "tests.benchmarks.validate_simulator", *options]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert named in done.stderr.splitlines()[-1]

@@ -305,11 +305,16 @@ def _print_cases(results: dict[str, list[CalibratedPrediction]], spread: dict[st
     print("|---|---:|" + "---:|" * len(names) + "---:|---:|")
     by_name = {n: {p.case_id: p for p in preds} for n, preds in results.items()}
     for p in results[names[0]]:
-        cells = " | ".join(f"{by_name[n][p.case_id].predicted_s * 1e3:.1f} ({by_name[n][p.case_id].error:+.0%})"
-                           for n in names)  # fmt: skip
+        mine = [by_name[n][p.case_id] for n in names]
+        cells = " | ".join(f"{q.predicted_s * 1e3:.1f} ({q.error:+.0%})" for q in mine)
         ratio = "" if p.measured_ratio is None else f"{p.measured_ratio:.2f}"
         pred = "" if p.predicted_ratio is None else f"{p.predicted_ratio:.2f}"
         print(f"| {p.case_id} | {p.measured_s * 1e3:.1f} ({spread[p.case_id]:.2f}x) | {cells} | {ratio} | {pred} |")
+
+
+SUITE_OPTIONS = ("models", "worlds", "implementations", "precisions", "checkpointing", "offload", "repeats",
+                 "paired_seconds", "keep")  # fmt: skip
+"""The options that shape a sitting's runs (``--predict`` re-predicts runs already made)."""
 
 
 def main() -> None:
@@ -342,7 +347,13 @@ def main() -> None:
         help="with --predict: a profile to predict with (repeat it; default: DIR's calibrations)",
     )
     args = parser.parse_args()
+    if args.profile and args.predict is None:
+        parser.error("--profile re-predicts kept runs: give it with --predict DIR")
     if args.predict is not None:
+        # the kept suite.yaml says what ran: an option that would change it has nothing to change
+        given = [a for a in SUITE_OPTIONS if getattr(args, a) != parser.get_default(a)]
+        if given:
+            parser.error(f"--predict runs nothing: {', '.join('--' + a.replace('_', '-') for a in given)} unused")
         repeats = len(repeat_dirs(args.predict))
         document = predict_sitting(args.predict, schemes_for(args.predict, repeats, args.profile))
     else:

@@ -91,12 +91,12 @@ def probe(
     shapes = QUICK_PROBES if quick else PROBES
     runs = [(width, tokens, torch.float32) for width, tokens in shapes]
     runs += [(*shapes[0], dtype) for dtype in AUTOCAST_DTYPES]
+    wall_budget_s = 0.0 if quick else WALL_BUDGET_S
     out: list[dict[str, Any]] = []
     for i, (width, tokens, dtype) in enumerate(runs, 1):
         progress(f"step operators: width {width}, {tokens} tokens, {dtype_name(dtype)} "
                  f"({i}/{len(runs)})")  # fmt: skip
         cap = None if dtype == torch.float32 else AUTOCAST_STEP_CAP * out[0]["wall_s"]
-        wall_budget_s = 0.0 if quick else WALL_BUDGET_S
         out.append(_probe_one(width, tokens, dtype, threads, max_step_s=cap, wall_budget_s=wall_budget_s))
     return out
 
