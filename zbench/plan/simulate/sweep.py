@@ -34,7 +34,11 @@ MEASURED_ERROR = {
     "than either): step median 8.8% / 14.8%, worst 26% / 34%, short in 53 / 64 of 64 cases; ratio median 3.5% / "
     "2.7%, worst 9.9% / 9.9%, tau 0.76 / 0.76 (repeats' tau 0.64); that morning's 64 runs re-predicted with two "
     "calibrations taken after them (_1207): step median 3.7% / 5.4%, worst 17% / 20%; ratio median 2.8% / 2.5%, worst "
-    "9.8% / 9.7%, tau 0.81 / 0.85. bf16 was not measured with it (that host "
+    "9.8% / 9.7%, tau 0.81 / 0.85; that evening, tiny added and no checkpointing, 48 cases, three repeats with a "
+    "calibration before, between and after them, each repeat predicted from the two around it (_1207c): step median "
+    "13%, worst 44% (tiny, 8-54 ms steps, all short; small and medium within 19%), ratio median 4.1%, worst 25% "
+    "(tiny, whose DDP twin read 1.15-1.18 against itself), tau 0.87 (repeats' 0.88). bf16 was not measured with it "
+    "(that host "
     "emulates bf16); the model before, with bf16 (2026-12-01, a 2-core Intel Xeon, _1201): step median 15.2% / 12.7%, "
     "worst 49% / 44%, bf16 at medium world 1 over-predicted by 17-28%; ratio median 3.8% / 3.9%, worst 14.7% / 12.2%, "
     "tau 0.76 / 0.77",
