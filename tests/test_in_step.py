@@ -3,7 +3,11 @@ claims, the factor it is given over the tables' charge, and the step model charg
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,6 +188,8 @@ def test_a_probe_step_times_the_operators_a_transformer_step_runs():
     assert set(in_step.step_residuals([fp32, bf16], cal)) == {"float32", "bfloat16"}
     assert fp32["threads"] == 2 and fp32["speedup"] > 0 and bf16["speedup"] > 0  # each paired with two threads'
     assert set(in_step.thread_speedups([fp32, bf16], cal)) == {"float32", "bfloat16"}
+    assert fp32["corun"] > 0 and bf16["corun"] > 0  # and with a sibling process running it on the other core
+    assert set(in_step.corun_slowdowns([fp32, bf16], cal)) == {"float32", "bfloat16"}
     assert torch.get_num_threads() == threads_before  # the pairs' thread count put back
 
 
@@ -202,15 +208,113 @@ def test_each_wall_step_is_paired_with_one_on_every_cores_threads_right_after_it
         return quiet[order[-1]] * next(drift)
 
     monkeypatch.setattr(in_step, "_timed", timed)
-    walls, speedups = in_step._wall_steps(lambda: None, threads=2, budget_s=0.0)
+    walls, speedups, _ = in_step._wall_steps(lambda: None, threads=2, budget_s=0.0)
     assert order == [1, 2] * in_step.WALL_STEPS
     assert statistics.median(speedups) == pytest.approx(0.100 / 0.060)
     assert walls == pytest.approx([0.100, 0.160, 0.160])
     order.clear()
     monkeypatch.setattr(in_step, "_timed", lambda step: order.append(torch.get_num_threads()) or 0.1)
-    walls, speedups = in_step._wall_steps(lambda: None, threads=1, budget_s=0.0)
-    assert (walls, speedups) == ([0.1] * in_step.WALL_STEPS, [])  # one core: no pairs
+    walls, speedups, slowdowns = in_step._wall_steps(lambda: None, threads=1, budget_s=0.0)
+    assert (walls, speedups, slowdowns) == ([0.1] * in_step.WALL_STEPS, [], [])  # one core: no pairs
     assert order == [1] * in_step.WALL_STEPS
+
+
+class FakeSiblings:
+    """Stands in for ``corun.Siblings``: records when its block runs, so that a test can slow the steps inside it."""
+
+    active = True
+
+    def __init__(self) -> None:
+        self.inside = False
+        self.blocks = 0
+
+    @contextlib.contextmanager
+    def running(self):
+        self.inside, self.blocks = True, self.blocks + 1
+        try:
+            yield
+        finally:
+            self.inside = False
+
+
+def test_each_round_times_a_step_beside_siblings_against_the_lone_step_of_its_round(monkeypatch):
+    """The co-run slow-down is each one-thread step timed while the siblings run, over the lone one-thread step of
+    its round, never over the two-thread step just before it; drift between rounds cancels within each.
+    Planted bugs this catches: the slow-down taken against the two-thread step (reads 1.15 / 0.6 = 1.92 here, not
+    1.15), the step beside the siblings timed on two threads, a round without the siblings' block."""
+    quiet = {1: 0.100, 2: 0.060}
+    drift = iter([1.0] * 3 + [1.6] * 3 + [2.0] * 3)
+    siblings = FakeSiblings()
+    order = []
+
+    def timed(step):
+        threads = torch.get_num_threads()
+        order.append((threads, siblings.inside))
+        return quiet[threads] * next(drift) * (1.15 if siblings.inside else 1.0)
+
+    monkeypatch.setattr(in_step, "_timed", timed)
+    rounds = in_step._wall_steps(lambda: None, threads=2, budget_s=0.0, siblings=siblings)
+    assert order == [(1, False), (2, False), (1, True)] * in_step.WALL_STEPS
+    assert rounds.slowdowns == pytest.approx([1.15] * in_step.WALL_STEPS)
+    assert rounds.alone == pytest.approx([0.100, 0.160, 0.200]) and siblings.blocks == in_step.WALL_STEPS
+    assert rounds.speedups == pytest.approx([0.100 / 0.060] * in_step.WALL_STEPS)
+
+
+def test_a_co_run_slow_down_is_kept_by_dtype_at_each_probes_charge():
+    """Each probe that ran beside siblings gives ``(charged s, slow-down)`` under its dtype; one that did not (a
+    one-core host, a profile from before schema 9) gives none, and the step model then slows nothing."""
+    from zbench.plan.simulate.compute import corun_slowdown, rank_share
+
+    cal = calibration()
+    adds = [entry("add", 2**20, count=100)]
+    probes = [
+        {"dtype": "float32", "entries": adds, "wall_s": 1.0, "corun": 1.2},
+        {"dtype": "float32", "entries": adds * 3, "wall_s": 3.0, "corun": 1.05},
+        {"dtype": "bfloat16", "entries": adds, "wall_s": 1.0},
+    ]
+    points = in_step.corun_slowdowns(probes, cal)
+    assert list(points) == ["float32"] and [value for _, value in points["float32"]] == [1.2, 1.05]
+    cal = calibration(corun_slowdowns=points)
+    low, high = (charge for charge, _ in points["float32"])
+    assert corun_slowdown(cal, "fp32", low) == pytest.approx(1.2)
+    assert corun_slowdown(cal, "fp32", (low * high) ** 0.5) == pytest.approx(1.125)  # linear in log charge
+    assert corun_slowdown(cal, "bf16", high * 10) == pytest.approx(1.05)  # not probed: fp32's, the nearest beyond
+    assert corun_slowdown(calibration(), "fp32", low) == 1.0
+    # a world-2 rank on the 2 cores runs at its slow-down, a world-1 rank at its speed-up alone
+    cal = calibration(corun_slowdowns=points, thread_speedups={"float32": [(low, 1.6)]})
+    assert rank_share(cal, "fp32", 2, low, cores=2) == pytest.approx(1 / 1.2)
+    assert rank_share(cal, "fp32", 1, low, cores=2) == pytest.approx(1.6)
+
+
+def test_siblings_run_the_probe_step_only_inside_their_block_and_a_failure_is_one_line():
+    """Real sibling processes: each builds the probe's step, burns CPU while ``running()``'s block runs and none
+    after it (the next lone step is timed alone); a sibling that cannot build says why in one line. Planted bugs
+    this catches: a sibling still stepping after the block, one that never starts, an error that hangs."""
+    from zbench.errors import OneLineError
+    from zbench.plan.calibrate.corun import Siblings
+
+    def cpu_seconds(pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("reads a process's CPU time from /proc")
+    with Siblings(1) as siblings:
+        assert siblings.active
+        siblings.build(64, 1, "float32")
+        siblings.wait_built()
+        (pid,) = [p.pid for p in siblings._processes]
+        before = cpu_seconds(pid)
+        with siblings.running():
+            time.sleep(1.0)
+        during = cpu_seconds(pid) - before
+        time.sleep(1.0)
+        after = cpu_seconds(pid) - before - during
+        assert during > 0.3 and after < 0.1, (during, after)
+        siblings.build(64, 1, "no_such_dtype")
+        with pytest.raises(OneLineError, match="co-running probe process failed: AttributeError"):
+            siblings.wait_built()
+    assert not Siblings(0).active  # a one-core host: no processes
 
 
 def test_wall_steps_pair_on_until_their_budget_has_passed_and_a_slow_probe_keeps_its_minimum(monkeypatch):
@@ -229,7 +333,7 @@ def test_wall_steps_pair_on_until_their_budget_has_passed_and_a_slow_probe_keeps
             return seconds
 
         monkeypatch.setattr(in_step, "_timed", timed)
-        return in_step._wall_steps(lambda: None, threads=2, budget_s=4.0, clock=lambda: now[0])[1]
+        return in_step._wall_steps(lambda: None, threads=2, budget_s=4.0, clock=lambda: now[0]).speedups
 
     fast = run_with(0.4)  # a pair takes 0.4 + 0.28 s: 4 s hold 6 pairs
     assert len(fast) == 6 and now[0] >= 4.0

@@ -182,6 +182,21 @@ def test_a_cpu_ranks_share_of_the_cores_against_one_calibrated_thread():
     assert cpu_share(2, 16, 1, 9.0) == pytest.approx(1 + 8 * 7 / 15)  # 8 of 16 threads: linear between
 
 
+def test_ranks_that_fill_the_cores_run_the_measured_co_run_slow_down_slower(monkeypatch):
+    """What the calibration's lone step lost with every other core running it too slows ranks whose threads fill the
+    cores, and only them. Planted bugs this catches: the slow-down taken at world 1 (whose two-thread speed-up was
+    measured on both cores, its loss already in), a speed-up instead of a slow-down, ranks that leave cores idle
+    slowed."""
+    from zbench.plan.simulate.compute import cpu_share
+
+    assert cpu_share(1, 2, 1, 1.6, corun_slowdown=1.25) == pytest.approx(1.6)
+    assert cpu_share(2, 2, 1, 1.6, corun_slowdown=1.25) == pytest.approx(0.8)
+    assert cpu_share(4, 2, 1, 1.6, corun_slowdown=1.25) == pytest.approx(0.4)  # half a core each, and shared
+    assert cpu_share(2, 16, 1, 9.0, corun_slowdown=1.25) == pytest.approx(1 + 8 * (8 / 1.25 - 1) / 15)
+    monkeypatch.setenv("ZBENCH_THREADS_PER_RANK", "1")
+    assert cpu_share(2, 16, 1, 9.0, corun_slowdown=1.25) == 1  # two ranks on one core each of 16: 14 idle
+
+
 def test_bytes_moved_follow_the_schema_in_place_out_and_lists():
     """In place reads and writes its self, ``out=`` is written and not read, a list op in place writes the list
     it does not return; views and fresh empty tensors move nothing. fp32, 1,000 elements: 4,000 bytes each."""

@@ -66,7 +66,8 @@ def _figures(profile: Cluster) -> dict[str, float]:
         out["collective_issue_us"] = cal.collective_issue_us
     if cal.disk is not None:
         out["disk write_gb_s"], out["disk read_gb_s"] = cal.disk.write_gb_s, cal.disk.read_gb_s
-    for label, by_dtype in (("step residual", cal.step_residuals), ("thread speed-up", cal.thread_speedups)):
+    for label, by_dtype in (("step residual", cal.step_residuals), ("thread speed-up", cal.thread_speedups),
+                             ("co-run slow-down", cal.corun_slowdowns)):  # fmt: skip
         for dtype, points in by_dtype.items():
             for i, (_, value) in enumerate(points, 1):  # by the probe's place in charge: its seconds drift
                 out[f"{label} {dtype} probe {i} of {len(points)}"] = value

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from zbench.plan.calibrate.corun import Siblings
 from zbench.plan.simulate.calibration import Calibration, dtype_name, factor_key
 from zbench.plan.trace.ops import OpLedger
 
@@ -86,26 +87,28 @@ def probe(
     (``OpLedger.take``'s entries), each ledger operator's time in the next ``PROFILED_STEPS`` identical steps,
     their median (microseconds and calls, ``measured``), and the median of ``WALL_STEPS`` more, timed whole without
     the profiler (``wall_s``), each followed by one on ``threads`` threads (``speedup``: the median of the pairs'
-    ratios, where ``threads`` > 1). Runs in a rank's environment (one thread, glibc's mmap threshold pinned:
+    ratios, where ``threads`` > 1) and one on one thread while ``threads`` - 1 sibling processes run the same step
+    on the other cores (``corun``: the median of its ratios to the lone step, ``zbench.plan.calibrate.corun``).
+    Runs in a rank's environment (one thread, glibc's mmap threshold pinned:
     ``zbench.plan.calibrate.kernels.rank_probes``)."""
     shapes = QUICK_PROBES if quick else PROBES
     runs = [(width, tokens, torch.float32) for width, tokens in shapes]
     runs += [(*shapes[0], dtype) for dtype in AUTOCAST_DTYPES]
     wall_budget_s = 0.0 if quick else WALL_BUDGET_S
     out: list[dict[str, Any]] = []
-    for i, (width, tokens, dtype) in enumerate(runs, 1):
-        progress(f"step operators: width {width}, {tokens} tokens, {dtype_name(dtype)} "
-                 f"({i}/{len(runs)})")  # fmt: skip
-        cap = None if dtype == torch.float32 else AUTOCAST_STEP_CAP * out[0]["wall_s"]
-        out.append(_probe_one(width, tokens, dtype, threads, max_step_s=cap, wall_budget_s=wall_budget_s))
+    with Siblings(threads - 1) as siblings:
+        for i, (width, tokens, dtype) in enumerate(runs, 1):
+            progress(f"step operators: width {width}, {tokens} tokens, {dtype_name(dtype)} "
+                     f"({i}/{len(runs)})")  # fmt: skip
+            cap = None if dtype == torch.float32 else AUTOCAST_STEP_CAP * out[0]["wall_s"]
+            out.append(_probe_one(width, tokens, dtype, threads, siblings, max_step_s=cap,
+                                  wall_budget_s=wall_budget_s))  # fmt: skip
     return out
 
 
-def _probe_one(
-    width: int, tokens: int, dtype: torch.dtype, threads: int, *, max_step_s: float | None, wall_budget_s: float
-) -> dict[str, Any]:
-    """One probe model's step at ``tokens`` (fewer, at least one sequence, where a step would take over
-    ``max_step_s``: ``sequences_within``), its wall steps paired for ``wall_budget_s`` (``_wall_steps``)."""
+def probe_model(width: int, dtype: torch.dtype) -> Callable[[torch.Tensor], None]:
+    """A training step of the probe model of ``width`` (seeded, so that every process builds the same) over a
+    batch of token ids, under autocast to ``dtype`` unless it is float32."""
     from zbench.cases.models import GPT
     from zbench.presets import GPTConfig
     from zbench.protocol import TrainSpec
@@ -121,9 +124,35 @@ def _probe_one(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return train
+
+
+def probe_step(width: int, sequences: int, dtype: torch.dtype) -> Callable[[], None]:
+    """``probe_model``'s step over one fixed batch of ``sequences`` sequences: what the probe times, and what each
+    co-running sibling runs (``zbench.plan.calibrate.corun``)."""
+    train = probe_model(width, dtype)
+    ids = torch.randint(0, VOCAB, (sequences, SEQ + 1))
+    return lambda: train(ids)
+
+
+def _probe_one(
+    width: int,
+    tokens: int,
+    dtype: torch.dtype,
+    threads: int,
+    siblings: Siblings,
+    *,
+    max_step_s: float | None,
+    wall_budget_s: float,
+) -> dict[str, Any]:
+    """One probe model's step at ``tokens`` (fewer, at least one sequence, where a step would take over
+    ``max_step_s``: ``sequences_within``), its wall steps paired for ``wall_budget_s`` (``_wall_steps``). The
+    siblings build the same step while this one warms up; nothing is timed before they have."""
+    train = probe_model(width, dtype)
     sequences = max(1, tokens // SEQ)
     if max_step_s is not None:
         sequences = sequences_within(train, sequences, max_step_s)
+    siblings.build(width, sequences, dtype_name(dtype))
     ids = torch.randint(0, VOCAB, (sequences, SEQ + 1))
 
     def step() -> None:
@@ -131,6 +160,7 @@ def _probe_one(
 
     for _ in range(3):  # optimizer state, allocator caches
         step()
+    siblings.wait_built()
     ledger = OpLedger()
     with ledger:
         ledger.start_step()
@@ -146,10 +176,14 @@ def _probe_one(
         key: (statistics.median(p[key][0] for p in profiled if key in p), calls)
         for key, (_, calls) in profiled[0].items()
     }
-    walls, speedups = _wall_steps(step, threads, wall_budget_s)
+    walls = _wall_steps(step, threads, wall_budget_s, siblings=siblings)
     out = {"width": width, "tokens": sequences * SEQ, "dtype": dtype_name(dtype), "entries": entries,
-           "measured": measured, "wall_s": statistics.median(walls)}  # fmt: skip
-    return {**out, "threads": threads, "speedup": statistics.median(speedups)} if speedups else out
+           "measured": measured, "wall_s": statistics.median(walls.alone)}  # fmt: skip
+    if walls.speedups:
+        out.update(threads=threads, speedup=statistics.median(walls.speedups))
+    if walls.slowdowns:
+        out["corun"] = statistics.median(walls.slowdowns)
+    return out
 
 
 def sequences_within(train: Callable[[torch.Tensor], None], sequences: int, max_step_s: float) -> int:
@@ -161,28 +195,48 @@ def sequences_within(train: Callable[[torch.Tensor], None], sequences: int, max_
     return max(1, min(sequences, int(max_step_s / per_sequence)))
 
 
+class WallSteps(NamedTuple):
+    """A probe's steps timed whole (``_wall_steps``)."""
+
+    alone: list[float]
+    """One thread's steps, alone on the host."""
+    speedups: list[float]
+    """Each lone step over one on every core's threads timed right after it; none on one core."""
+    slowdowns: list[float]
+    """One thread's step while siblings run it on every other core, over the lone step before it; none without
+    siblings."""
+
+
 def _wall_steps(
-    step: Callable[[], None], threads: int, budget_s: float, clock: Callable[[], float] = time.perf_counter
-) -> tuple[list[float], list[float]]:
-    """At least ``WALL_STEPS`` steps on one thread, more until ``budget_s`` has passed, timed whole, and where
-    ``threads`` > 1 each one's time over that of a step on ``threads`` threads timed right after it. Paired step by
-    step, as a burst of other work or the host's drift (up to 1.6 times within seconds on the 2-core machine,
-    2026-12-01) moves both steps of a pair alike."""
-    walls: list[float] = []
-    speedups: list[float] = []
+    step: Callable[[], None],
+    threads: int,
+    budget_s: float,
+    clock: Callable[[], float] = time.perf_counter,
+    siblings: Siblings | None = None,
+) -> WallSteps:
+    """At least ``WALL_STEPS`` rounds, more until ``budget_s`` has passed, each a step on one thread timed whole,
+    then where ``threads`` > 1 one on ``threads`` threads, then where ``siblings`` are at hand one on one thread
+    while they run it too; each later step's time taken against the lone one's of its round. Paired round by round,
+    as a burst of other work or the host's drift (up to 1.6 times within seconds on the 2-core machine, 2026-12-01)
+    moves every step of a round alike."""
+    out = WallSteps([], [], [])
     before = torch.get_num_threads()
     started = clock()
     try:
-        while len(walls) < WALL_STEPS or clock() - started < budget_s:
+        while len(out.alone) < WALL_STEPS or clock() - started < budget_s:
             torch.set_num_threads(1)
             one = _timed(step)
-            walls.append(one)
+            out.alone.append(one)
             if threads > 1:
                 torch.set_num_threads(threads)
-                speedups.append(one / _timed(step))
+                out.speedups.append(one / _timed(step))
+                torch.set_num_threads(1)
+            if siblings is not None and siblings.active:
+                with siblings.running():
+                    out.slowdowns.append(_timed(step) / one)
     finally:
         torch.set_num_threads(before)
-    return walls, speedups
+    return out
 
 
 def _timed(step: Callable[[], None]) -> float:
@@ -332,6 +386,14 @@ def thread_speedups(probes: list[dict[str, Any]], cal: Calibration) -> dict[str,
     MLP's fp32 step) read 1.42-1.51 for both. Probes from a one-core machine or recorded before the pairs were:
     none."""
     return _by_charge([p for p in probes if "speedup" in p], cal, lambda p, _: p["speedup"])
+
+
+def corun_slowdowns(probes: list[dict[str, Any]], cal: Calibration) -> dict[str, list[tuple[float, float]]]:
+    """``{dtype: [(charged s, slow-down), ...]}`` by increasing charge: how much longer each probe's one-thread step
+    took while sibling processes ran it on every other core than alone (``_wall_steps``), what a CPU rank whose
+    world fills the cores loses to the others (``zbench.plan.simulate.compute.cpu_share``). Probes from a one-core
+    machine or recorded before the siblings were: none."""
+    return _by_charge([p for p in probes if "corun" in p], cal, lambda p, _: p["corun"])
 
 
 def _by_charge(

@@ -125,7 +125,8 @@ def calibrate(
     if "in_step" in rank:  # before the residuals, which are taken against the operators' factored costs
         cal = cal.model_copy(update={"operator_factors": in_step.factors(rank["in_step"], cal)})
         cal = cal.model_copy(update={"step_residuals": in_step.step_residuals(rank["in_step"], cal),
-                                     "thread_speedups": in_step.thread_speedups(rank["in_step"], cal)})  # fmt: skip
+                                     "thread_speedups": in_step.thread_speedups(rank["in_step"], cal),
+                                     "corun_slowdowns": in_step.corun_slowdowns(rank["in_step"], cal)})  # fmt: skip
     if "overheads" in rank:  # residuals against the operator costs just measured
         cal = cal.model_copy(update={"overheads": overheads.fit(rank["overheads"], cal)})
     return cal

@@ -147,6 +147,13 @@ class Calibration(_Frozen):
         "threads against one thread (a world-1 rank has them all), by the probe's charge at one thread; none on a "
         "GPU or one core",
     )
+    corun_slowdowns: dict[str, list[tuple[float, float]]] = Field(
+        default_factory=dict,
+        description="on a CPU: {dtype: [[charged s, slow-down], ...]}, each in-step probe's one-thread step while "
+        "sibling processes ran it on every other core against the step alone (a rank whose world fills the cores "
+        "runs beside the others), by the probe's charge at one thread; none on a GPU, one core, or profiles before "
+        "schema 9 (no slow-down)",
+    )
     overheads: dict[str, ImplementationOverhead] = Field(
         default_factory=dict,
         description="on a CPU: each built-in's step beyond its operators, by '<implementation>-s<stage>'",

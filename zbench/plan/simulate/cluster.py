@@ -15,7 +15,8 @@ residual (``ImplementationOverhead.measured_us``), a wide probe's among them. Ve
 factor inside a training step (``Calibration.operator_factors``). Version 6 adds each implementation's host work per
 parameter element beyond DDP's (``ImplementationOverhead.per_element_us``), read off the wide probe. Version 7
 adds each probe step's time outside its recorded operators (``Calibration.step_residuals``). Version 8 replaces the
-one thread speed-up (an fp32 MLP's) with each probe step's, by dtype (``Calibration.thread_speedups``).
+one thread speed-up (an fp32 MLP's) with each probe step's, by dtype (``Calibration.thread_speedups``). Version 9
+adds each probe step's slow-down while the other cores run it too (``Calibration.corun_slowdowns``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from zbench.plan.simulate.datasheet import DatasheetOperators, DatasheetRates
 BUILT_IN = Path(__file__).with_name("clusters")
 
 #: The newest profile layout this zbench reads and writes (the module docstring says what each adds).
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 
 class Link(BaseModel):

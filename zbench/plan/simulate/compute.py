@@ -233,28 +233,46 @@ def implementation_seconds(cal: Rates, implementation: str, stage: int, blocks: 
     return max(0.0, (overhead.per_step_us + overhead.per_block_us * blocks + overhead.per_element_us * elements) * 1e-6)
 
 
-def cpu_share(world: int, cores: int, threads_per_rank: int, thread_speedup: float | None = None) -> float:
+def cpu_share(
+    world: int, cores: int, threads_per_rank: int, thread_speedup: float | None = None, corun_slowdown: float = 1.0
+) -> float:
     """A CPU rank's speed relative to the calibration's ``threads_per_rank``: the threads a CPU run gives each
     rank (``zbench.rank.worker``: ``$ZBENCH_THREADS_PER_RANK``, else ``cores // world``, at least one), and
     never more than ``cores / world`` cores each when ranks outnumber cores. More threads than calibrated gain
     what the calibration measured (``thread_speedup`` on every core; linear between), where it measured it:
     the 2-core machine's two threads ran an fp32 step of ``small`` 1.60-1.70 times as fast as one, a bf16 step
-    1.24-1.30 times (2026-12-01), not twice."""
+    1.24-1.30 times (2026-12-01), not twice.
+
+    Ranks whose threads fill every core run ``corun_slowdown`` times slower on top (what the calibration's lone
+    step lost with the other cores running it too, ``zbench.plan.calibrate.corun``): they share the caches, the
+    memory bus and the host's time for its cores, which a lone rank had to itself. One rank on every core's threads
+    is what ``thread_speedup`` measured, its loss already in."""
     threads = int(os.environ.get("ZBENCH_THREADS_PER_RANK", max(1, cores // world)))
     share = min(threads, cores / world) / threads_per_rank
+    if world > 1 and world * threads >= cores:
+        share /= corun_slowdown
     most = cores / threads_per_rank
     if thread_speedup is None or share <= 1 or most <= 1:
         return share
     return 1 + (thread_speedup - 1) * (share - 1) / (most - 1)
 
 
+def corun_slowdown(cal: Calibration, precision: str, charged_s: float) -> float:
+    """How much slower a step of ``charged_s`` operator seconds (at one thread) in ``precision`` ran while every
+    other core ran it too (``Calibration.corun_slowdowns``), between the probes' charges; 1 where none was measured
+    (a GPU, one core, a profile before schema 9)."""
+    return _by_charge(cal.corun_slowdowns, precision, charged_s) or 1.0
+
+
 def rank_share(cal: Rates, precision: str, world: int, charged_s: float, cores: int | None) -> float:
-    """``cpu_share`` of a rank of ``world`` on ``cores`` CPU cores, at the thread speed-up the calibration measured
-    for ``precision`` at the rank's operator charge on one thread (``thread_speedup``); 1 on a GPU profile, a
-    datasheet's, or where no core count is given (``plan --simulate`` charges a calibrated thread per rank)."""
+    """``cpu_share`` of a rank of ``world`` on ``cores`` CPU cores, at the thread speed-up and the co-run slow-down
+    the calibration measured for ``precision`` at the rank's operator charge on one thread (``thread_speedup``,
+    ``corun_slowdown``); 1 on a GPU profile, a datasheet's, or where no core count is given (``plan --simulate``
+    charges a calibrated thread per rank)."""
     if cores is None or not isinstance(cal, Calibration) or cal.device != "cpu":
         return 1.0
-    return cpu_share(world, cores, cal.threads_per_rank, thread_speedup(cal, precision, charged_s))
+    return cpu_share(world, cores, cal.threads_per_rank, thread_speedup(cal, precision, charged_s),
+                     corun_slowdown(cal, precision, charged_s))  # fmt: skip
 
 
 def case_phase_seconds(
