@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from types import TracebackType
+from typing import Any
 
 from zbench.errors import OneLineError
 
@@ -30,20 +31,26 @@ from zbench.errors import OneLineError
 REPLY_TIMEOUT_S = 120.0
 
 
+#: What a sibling builds its step with: a module-level function (a spawned process imports it by name) of the
+#: arguments ``Siblings.build`` passes, returning the step to run.
+StepMaker = Callable[..., Callable[[], None]]
+
+
 class Siblings:
-    """``count`` processes, each running the probe's step on one thread while ``running()``'s block runs.
+    """``count`` processes, each running the step ``make_step`` builds on one thread while ``running()``'s block
+    runs (the probe's: ``zbench.plan.calibrate.in_step.probe_step``).
 
     ``build`` before each probe model, ``wait_built`` before anything is timed alone; a context manager, so that
     the processes end however the probes do. No processes where ``count`` is 0 (a one-core host): ``running``
     then runs its block alone and ``active`` is False."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, make_step: StepMaker) -> None:
         context = multiprocessing.get_context("spawn")  # a fork would copy the caller's threads and allocator
         self._links: list[Connection] = []
         self._processes = []
         for _ in range(count):
             ours, theirs = context.Pipe()
-            process = context.Process(target=_sibling, args=(theirs,), daemon=True)
+            process = context.Process(target=_sibling, args=(theirs, make_step), daemon=True)
             process.start()
             theirs.close()
             self._links.append(ours)
@@ -53,11 +60,11 @@ class Siblings:
     def active(self) -> bool:
         return bool(self._links)
 
-    def build(self, width: int, sequences: int, dtype: str) -> None:
-        """Each sibling builds the probe model of ``width`` and a batch of ``sequences`` in ``dtype`` and runs one
-        step of it, while the caller warms its own up (``wait_built`` waits for them)."""
+    def build(self, *args: Any) -> None:
+        """Each sibling builds its step, ``make_step(*args)``, and runs it once, while the caller warms its own up
+        (``wait_built`` waits for them)."""
         for link in self._links:
-            link.send(("build", width, sequences, dtype))
+            link.send(("build", *args))
 
     def wait_built(self) -> None:
         self._replies("built")
@@ -102,12 +109,10 @@ class Siblings:
         self.close()
 
 
-def _sibling(link: Connection) -> None:
+def _sibling(link: Connection, make_step: StepMaker) -> None:
     """A sibling's loop: build on ``build``, step from ``run`` until a ``stop`` arrives (checked between steps),
     leave on ``exit`` or when the caller has gone."""
     import torch
-
-    from zbench.plan.calibrate.in_step import probe_step
 
     torch.set_num_threads(1)
     step: Callable[[], None] | None = None
@@ -118,8 +123,7 @@ def _sibling(link: Connection) -> None:
             return
         try:
             if command == "build":
-                width, sequences, dtype = args
-                step = probe_step(width, sequences, getattr(torch, dtype))
+                step = make_step(*args)
                 step()  # optimizer state, allocator caches
                 link.send("built")
             elif command == "run" and step is not None:

@@ -96,7 +96,7 @@ def probe(
     runs += [(*shapes[0], dtype) for dtype in AUTOCAST_DTYPES]
     wall_budget_s = 0.0 if quick else WALL_BUDGET_S
     out: list[dict[str, Any]] = []
-    with Siblings(threads - 1) as siblings:
+    with Siblings(threads - 1, probe_step) as siblings:
         for i, (width, tokens, dtype) in enumerate(runs, 1):
             progress(f"step operators: width {width}, {tokens} tokens, {dtype_name(dtype)} "
                      f"({i}/{len(runs)})")  # fmt: skip
@@ -152,7 +152,7 @@ def _probe_one(
     sequences = max(1, tokens // SEQ)
     if max_step_s is not None:
         sequences = sequences_within(train, sequences, max_step_s)
-    siblings.build(width, sequences, dtype_name(dtype))
+    siblings.build(width, sequences, dtype)
     ids = torch.randint(0, VOCAB, (sequences, SEQ + 1))
 
     def step() -> None:
