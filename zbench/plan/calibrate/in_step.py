@@ -128,9 +128,14 @@ def probe_model(width: int, dtype: torch.dtype) -> Callable[[torch.Tensor], None
 
 
 def probe_step(width: int, sequences: int, dtype: torch.dtype) -> Callable[[], None]:
-    """``probe_model``'s step over one fixed batch of ``sequences`` sequences: what the probe times, and what each
-    co-running sibling runs (``zbench.plan.calibrate.corun``)."""
-    train = probe_model(width, dtype)
+    """``probe_model``'s step over one fixed batch of ``sequences`` sequences (``on_batch``): what each co-running
+    sibling runs (``zbench.plan.calibrate.corun``)."""
+    return on_batch(probe_model(width, dtype), sequences)
+
+
+def on_batch(train: Callable[[torch.Tensor], None], sequences: int) -> Callable[[], None]:
+    """``train``'s step over one fixed batch of ``sequences`` random sequences, the batch drawn once: what the probe
+    times, step after step."""
     ids = torch.randint(0, VOCAB, (sequences, SEQ + 1))
     return lambda: train(ids)
 
@@ -153,11 +158,7 @@ def _probe_one(
     if max_step_s is not None:
         sequences = sequences_within(train, sequences, max_step_s)
     siblings.build(width, sequences, dtype)
-    ids = torch.randint(0, VOCAB, (sequences, SEQ + 1))
-
-    def step() -> None:
-        train(ids)
-
+    step = on_batch(train, sequences)
     for _ in range(3):  # optimizer state, allocator caches
         step()
     siblings.wait_built()
